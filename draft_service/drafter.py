@@ -1,0 +1,64 @@
+"""The draft side's core: sessions, their committed tokens, and a proposer that drafts trees."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from opentelemetry import trace
+
+from draft_service.proposers import Proposer
+from specsplit.errors import FailedPrecondition, InvalidArgument, NotFound
+from specsplit.tree import TokenTree
+
+tracer = trace.get_tracer(__name__)
+
+
+@dataclass
+class DraftSession:
+    token_ids: list[int]  # committed tokens: prompt + generated
+    lock: threading.Lock
+
+
+class Drafter:
+    def __init__(self, proposer: Proposer, max_nodes: int = 64):
+        self.proposer = proposer
+        self.max_nodes = max_nodes
+        self._sessions: dict[str, DraftSession] = {}
+
+    def start(self, session_id: str, prompt_token_ids: list[int], tokenizer_fingerprint: str) -> None:
+        if not session_id:
+            raise InvalidArgument("session_id is empty")
+        if not prompt_token_ids:
+            raise InvalidArgument("prompt is empty: give at least one token")
+        mine = self.proposer.tokenizer_fingerprint
+        if mine and tokenizer_fingerprint != mine:
+            raise FailedPrecondition(
+                f"tokenizer mismatch: this draft's tokenizer has fingerprint {mine}, the verifier's is "
+                f"{tokenizer_fingerprint or '(none given)'}; a draft must share the target's tokenizer"
+            )
+        self._sessions[session_id] = DraftSession(list(prompt_token_ids), threading.Lock())
+        self.proposer.start(session_id, list(prompt_token_ids))
+
+    def propose(self, session_id: str, new_token_ids: list[int], committed_length: int, max_nodes: int) -> tuple[TokenTree, float]:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise NotFound(f"unknown draft session {session_id!r}: call StartSession first")
+        with session.lock:
+            if len(session.token_ids) + len(new_token_ids) != committed_length:
+                raise FailedPrecondition(
+                    f"draft session {session_id!r} has {len(session.token_ids)} committed tokens; "
+                    f"{len(new_token_ids)} new ones make {len(session.token_ids) + len(new_token_ids)}, "
+                    f"not the {committed_length} the request says"
+                )
+            session.token_ids.extend(new_token_ids)
+            start = time.perf_counter()
+            with tracer.start_as_current_span("specsplit.draft.propose") as span:
+                tree = self.proposer.propose(session_id, session.token_ids, min(max_nodes, self.max_nodes))
+                span.set_attribute("specsplit.num_draft_tokens", len(tree))
+            return tree, (time.perf_counter() - start) * 1e3
+
+    def end(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)
+        self.proposer.end(session_id)

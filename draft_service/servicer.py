@@ -1,0 +1,47 @@
+"""DraftService over gRPC: protobuf in, Drafter call, protobuf out."""
+
+from __future__ import annotations
+
+from draft_service.drafter import Drafter
+from specsplit.rpc import tree_to_pb
+from specsplit.serving import grpc_errors
+from specsplit.v1 import draft_pb2, draft_pb2_grpc
+
+
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    def __init__(self, drafter: Drafter, model_name: str = ""):
+        self.drafter = drafter
+        self.model_name = model_name
+
+    @grpc_errors
+    def GetInfo(self, request, context):
+        return draft_pb2.DraftInfoResponse(
+            drafter=self.drafter.proposer.name,
+            model=self.model_name,
+            tokenizer_fingerprint=self.drafter.proposer.tokenizer_fingerprint,
+            max_nodes=self.drafter.max_nodes,
+        )
+
+    @grpc_errors
+    def StartSession(self, request, context):
+        self.drafter.start(request.session_id, list(request.prompt_token_ids), request.tokenizer_fingerprint)
+        return draft_pb2.StartSessionResponse()
+
+    @grpc_errors
+    def Propose(self, request, context):
+        tree, draft_ms = self.drafter.propose(
+            request.session_id, list(request.new_token_ids), request.committed_length, request.max_nodes
+        )
+        return draft_pb2.ProposeResponse(tree=tree_to_pb(tree), draft_ms=draft_ms)
+
+    @grpc_errors
+    def EndSession(self, request, context):
+        self.drafter.end(request.session_id)
+        return draft_pb2.EndSessionResponse()
+
+
+SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+
+
+def registration(servicer: DraftServicer):
+    return servicer, draft_pb2_grpc.add_DraftServiceServicer_to_server, SERVICE_NAME

@@ -1,0 +1,51 @@
+"""OrchestratorService over gRPC: protobuf in, Orchestrator.generate, protobuf chunks out."""
+
+from __future__ import annotations
+
+import threading
+
+from orchestrator.generation import GenerationRequest, Orchestrator, SamplingParams
+from specsplit.rpc import chunk_to_pb
+from specsplit.serving import grpc_errors
+from specsplit.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
+
+def request_from_pb(orchestrator: Orchestrator, msg: orchestrator_pb2.GenerateRequest) -> GenerationRequest:
+    prompt_ids = orchestrator.prompt_token_ids(
+        prompt=msg.prompt,
+        messages=[{"role": m.role, "content": m.content} for m in msg.messages],
+        token_ids=list(msg.prompt_token_ids),
+        chat_template=not msg.no_chat_template,
+    )
+    s = msg.sampling
+    return GenerationRequest(
+        prompt_token_ids=prompt_ids,
+        max_new_tokens=msg.max_new_tokens if msg.HasField("max_new_tokens") else orchestrator.config.default_max_new_tokens,
+        stop=list(msg.stop),
+        draft=msg.draft or "auto",
+        session_id=msg.session_id,
+        sampling=SamplingParams(s.temperature, s.top_k, s.top_p or 1.0, s.seed if s.HasField("seed") else None),
+    )
+
+
+class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
+    def __init__(self, orchestrator: Orchestrator):
+        self.orchestrator = orchestrator
+
+    @grpc_errors
+    def Generate(self, request, context):
+        cancelled = threading.Event()
+        context.add_callback(cancelled.set)  # the client went away: stop, and release downstream sessions
+        generation = self.orchestrator.generate(request_from_pb(self.orchestrator, request), cancelled)
+        try:
+            for chunk in generation:
+                yield chunk_to_pb(chunk)
+        finally:
+            generation.close()
+
+
+SERVICE_NAME = orchestrator_pb2.DESCRIPTOR.services_by_name["OrchestratorService"].full_name
+
+
+def registration(servicer: OrchestratorServicer):
+    return servicer, orchestrator_pb2_grpc.add_OrchestratorServiceServicer_to_server, SERVICE_NAME

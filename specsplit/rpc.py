@@ -1,0 +1,165 @@
+"""The one place protobuf meets the core: conversions, plus typed client adapters that speak
+domain objects (the orchestrator's view of a draft or verifier service)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from specsplit.accept import Verdict
+from specsplit.serving import open_channel
+from specsplit.stream import Chunk, RoundStats
+from specsplit.tree import TokenTree
+from specsplit.v1 import common_pb2, draft_pb2, draft_pb2_grpc, orchestrator_pb2, verifier_pb2, verifier_pb2_grpc
+
+
+def tree_to_pb(tree: TokenTree) -> common_pb2.TokenTree:
+    return common_pb2.TokenTree(token_ids=tree.token_ids, parents=tree.parents, draft_probs=tree.draft_probs)
+
+
+def tree_from_pb(msg: common_pb2.TokenTree) -> TokenTree:
+    return TokenTree(tuple(msg.token_ids), tuple(msg.parents), tuple(msg.draft_probs))
+
+
+def verdict_to_pb(verdict: Verdict, committed_length: int, verify_ms: float) -> verifier_pb2.VerifyResponse:
+    return verifier_pb2.VerifyResponse(
+        accepted_token_ids=verdict.accepted_token_ids,
+        accepted_node_indices=verdict.accepted_nodes,
+        next_token_id=verdict.next_token_id,
+        committed_length=committed_length,
+        verify_ms=verify_ms,
+    )
+
+
+def verdict_from_pb(msg: verifier_pb2.VerifyResponse) -> Verdict:
+    return Verdict(tuple(msg.accepted_node_indices), tuple(msg.accepted_token_ids), msg.next_token_id)
+
+
+def chunk_to_pb(chunk: Chunk) -> orchestrator_pb2.GenerateChunk:
+    msg = orchestrator_pb2.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids, session_id=chunk.session_id,
+                                         prompt_token_ids=chunk.prompt_token_ids or [],
+                                         finish_reason=chunk.finish_reason)
+    if chunk.stats is not None:
+        st = chunk.stats
+        msg.stats.CopyFrom(common_pb2.RoundStats(
+            round=st.round, num_draft_tokens=st.num_draft_tokens, num_accepted=st.num_accepted,
+            num_committed=st.num_committed, draft_ms=st.draft_ms, verify_ms=st.verify_ms, drafter=st.drafter,
+            tree_depth=st.tree_depth))
+    return msg
+
+
+def generate_request_to_pb(prompt, messages, prompt_token_ids, max_new_tokens, temperature, top_k, top_p, seed,
+                           stop, draft, chat_template, session_id) -> orchestrator_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    if seed is not None:
+        sampling.seed = seed
+    msg = orchestrator_pb2.GenerateRequest(
+        prompt=prompt or "",
+        messages=[orchestrator_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ()],
+        prompt_token_ids=list(prompt_token_ids or ()),
+        no_chat_template=not chat_template,
+        sampling=sampling,
+        stop=list(stop),
+        draft=draft,
+        session_id=session_id,
+    )
+    if max_new_tokens is not None:
+        msg.max_new_tokens = max_new_tokens
+    return msg
+
+
+def chunk_from_pb(msg: orchestrator_pb2.GenerateChunk) -> Chunk:
+    stats = None
+    if msg.HasField("stats"):
+        st = msg.stats
+        stats = RoundStats(st.round, st.num_draft_tokens, st.num_accepted, st.num_committed, st.draft_ms,
+                           st.verify_ms, st.drafter, st.tree_depth)
+    return Chunk(msg.text, list(msg.token_ids), stats, msg.session_id, list(msg.prompt_token_ids) or None,
+                 msg.finish_reason)
+
+
+@dataclass(frozen=True)
+class VerifierInfo:
+    model: str
+    tokenizer_fingerprint: str
+    vocab_size: int
+    max_context: int
+    max_tree_nodes: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DraftInfo:
+    drafter: str
+    model: str
+    tokenizer_fingerprint: str
+    max_nodes: int
+
+
+class RemoteVerifier:
+    def __init__(self, address: str):
+        self.address = address
+        self.channel = open_channel(address)
+        self.stub = verifier_pb2_grpc.VerifierServiceStub(self.channel)
+
+    def info(self, timeout: float) -> VerifierInfo:
+        r = self.stub.GetInfo(verifier_pb2.VerifierInfoRequest(), timeout=timeout)
+        return VerifierInfo(r.model, r.tokenizer_fingerprint, r.vocab_size, r.max_context, r.max_tree_nodes,
+                            tuple(r.eos_token_ids))
+
+    def prefill(self, session_id: str, prompt_token_ids: list[int], timeout: float) -> int:
+        r = self.stub.Prefill(verifier_pb2.PrefillRequest(session_id=session_id, prompt_token_ids=prompt_token_ids),
+                              timeout=timeout)
+        return r.committed_length
+
+    def verify(self, session_id: str, tree: TokenTree, expected_committed_length: int, max_commit: int,
+               timeout: float) -> tuple[Verdict, float]:
+        r = self.stub.Verify(
+            verifier_pb2.VerifyRequest(session_id=session_id, tree=tree_to_pb(tree),
+                                       expected_committed_length=expected_committed_length, max_commit=max_commit),
+            timeout=timeout,
+        )
+        return verdict_from_pb(r), r.verify_ms
+
+    def release(self, session_id: str, timeout: float) -> bool:
+        return self.stub.Release(verifier_pb2.ReleaseRequest(session_id=session_id), timeout=timeout).released
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class RemoteDraft:
+    def __init__(self, address: str):
+        self.address = address
+        self.channel = open_channel(address)
+        self.stub = draft_pb2_grpc.DraftServiceStub(self.channel)
+
+    def info(self, timeout: float) -> DraftInfo:
+        r = self.stub.GetInfo(draft_pb2.DraftInfoRequest(), timeout=timeout)
+        return DraftInfo(r.drafter, r.model, r.tokenizer_fingerprint, r.max_nodes)
+
+    def start(self, session_id: str, prompt_token_ids: list[int], tokenizer_fingerprint: str, timeout: float) -> None:
+        self.stub.StartSession(
+            draft_pb2.StartSessionRequest(session_id=session_id, prompt_token_ids=prompt_token_ids,
+                                          tokenizer_fingerprint=tokenizer_fingerprint),
+            timeout=timeout,
+        )
+
+    def propose(self, session_id: str, new_token_ids: list[int], committed_length: int, max_nodes: int,
+                timeout: float) -> tuple[TokenTree, float]:
+        r = self.stub.Propose(
+            draft_pb2.ProposeRequest(session_id=session_id, new_token_ids=new_token_ids,
+                                     committed_length=committed_length, max_nodes=max_nodes),
+            timeout=timeout,
+        )
+        return tree_from_pb(r.tree), r.draft_ms
+
+    def end(self, session_id: str, timeout: float) -> None:
+        self.stub.EndSession(draft_pb2.EndSessionRequest(session_id=session_id), timeout=timeout)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+RpcError = grpc.RpcError

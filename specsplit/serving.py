@@ -1,0 +1,99 @@
+"""What every specsplit gRPC server shares: health, reflection, tracing, error mapping, shutdown."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specsplit.errors import SpecSplitError
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # trees and prompts are small; KV offload (later) is not
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+]
+
+
+def grpc_errors(method):
+    """Map SpecSplitError to its gRPC status (the one place this happens); works on unary and stream methods."""
+
+    def abort(context, err: SpecSplitError):
+        context.abort(getattr(grpc.StatusCode, err.code_name), str(err))
+
+    if inspect.isgeneratorfunction(method):
+
+        @functools.wraps(method)
+        def stream(self, request, context):
+            try:
+                yield from method(self, request, context)
+            except SpecSplitError as err:
+                abort(context, err)
+
+        return stream
+
+    @functools.wraps(method)
+    def unary(self, request, context):
+        try:
+            return method(self, request, context)
+        except SpecSplitError as err:
+            abort(context, err)
+
+    return unary
+
+
+def server_interceptors() -> list:
+    from opentelemetry.instrumentation.grpc import server_interceptor
+
+    return [server_interceptor()]
+
+
+def open_channel(address: str) -> grpc.Channel:
+    """A client channel with specsplit's options and the OpenTelemetry client interceptor."""
+    from opentelemetry.instrumentation.grpc import client_interceptor, intercept_channel
+
+    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return intercept_channel(channel, client_interceptor())
+
+
+class Server:
+    """A started gRPC server with health and reflection; ``stop`` flips health then drains."""
+
+    def __init__(self, address: str, services: list[tuple[object, callable, str]], max_workers: int = 32):
+        """services: (servicer, add_XServicer_to_server, full service name)."""
+        self.grpc_server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers),
+            interceptors=server_interceptors(),
+            options=CHANNEL_OPTIONS,
+        )
+        names = []
+        for servicer, add, name in services:
+            add(servicer, self.grpc_server)
+            names.append(name)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
+        reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.grpc_server)
+        self.port = self.grpc_server.add_insecure_port(address)
+        if self.port == 0:
+            raise RuntimeError(f"could not bind {address}")
+        host = address.rsplit(":", 1)[0]
+        self.address = f"{host}:{self.port}"
+        self.grpc_server.start()
+        for name in ["", *names]:
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def stop(self, grace: float = 5.0) -> None:
+        self.health.enter_graceful_shutdown()
+        self.grpc_server.stop(grace).wait()
+
+    def wait(self) -> None:
+        self.grpc_server.wait_for_termination()

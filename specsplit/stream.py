@@ -1,0 +1,27 @@
+"""What a generation stream carries, shared by the orchestrator (producer) and the SDK (consumer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RoundStats:
+    round: int
+    num_draft_tokens: int  # nodes in the verified tree
+    num_accepted: int  # draft tokens the target agreed with
+    num_committed: int  # tokens this round added to the output (accepted + recovered/bonus, cut at a stop)
+    draft_ms: float
+    verify_ms: float
+    drafter: str  # "ngram", "model" or "none" (target-only round)
+    tree_depth: int = 0  # depth of the verified tree
+
+
+@dataclass(frozen=True)
+class Chunk:
+    text: str  # new text since the previous chunk
+    token_ids: list[int]  # new token ids since the previous chunk
+    stats: RoundStats | None = None
+    session_id: str = ""
+    prompt_token_ids: list[int] | None = None  # first chunk only: what the target saw
+    finish_reason: str = ""  # last chunk only: "length", "eos", "stop", "cancelled"

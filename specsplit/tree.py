@@ -1,0 +1,152 @@
+"""The draft token tree and the buffers that let the target check it in one forward.
+
+A tree holds drafted tokens only. Its implicit root is the session's last committed
+token (the "pending" token whose KV entry is not yet cached): node i hangs under
+``parents[i]``, with -1 meaning "under the root". ``parents[i] < i`` for every node,
+so ancestors always come first and a chain is simply ``parents = [-1, 0, 1, ...]``.
+
+For the target forward the root is prepended, giving ``N + 1`` query rows:
+row 0 is the root, row ``i + 1`` is node i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+from specsplit.errors import InvalidArgument, ResourceExhausted
+
+
+@dataclass(frozen=True)
+class TokenTree:
+    token_ids: tuple[int, ...]  # [N] drafted token of each node
+    parents: tuple[int, ...]  # [N] parent node index, -1 for children of the root
+    draft_probs: tuple[float, ...] = field(default=())  # [N] q(token | ancestors); () = unknown
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
+        object.__setattr__(self, "parents", tuple(int(p) for p in self.parents))
+        object.__setattr__(self, "draft_probs", tuple(float(q) for q in self.draft_probs))
+
+    @classmethod
+    def empty(cls) -> "TokenTree":
+        return cls((), (), ())
+
+    @classmethod
+    def chain(cls, token_ids: list[int] | tuple[int, ...], draft_probs=None) -> "TokenTree":
+        n = len(token_ids)
+        probs = tuple(draft_probs) if draft_probs is not None else (1.0,) * n
+        return cls(tuple(token_ids), tuple(range(-1, n - 1)), probs)
+
+    @classmethod
+    def from_paths(cls, paths: list[list[int]]) -> "TokenTree":
+        """Merge token paths (each starting under the root) into one tree, sharing prefixes."""
+        token_ids: list[int] = []
+        parents: list[int] = []
+        index: dict[tuple[int, ...], int] = {}
+        for path in paths:
+            parent = -1
+            for depth in range(len(path)):
+                key = tuple(path[: depth + 1])
+                if key not in index:
+                    index[key] = len(token_ids)
+                    token_ids.append(path[depth])
+                    parents.append(parent)
+                parent = index[key]
+        return cls(tuple(token_ids), tuple(parents), (1.0,) * len(token_ids))
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def validate(self, vocab_size: int, max_nodes: int) -> None:
+        """Raise InvalidArgument / ResourceExhausted with a message a person can act on."""
+        n = len(self.token_ids)
+        if len(self.parents) != n or (self.draft_probs and len(self.draft_probs) != n):
+            raise InvalidArgument(
+                f"malformed tree: token_ids has {n} entries, parents {len(self.parents)}, "
+                f"draft_probs {len(self.draft_probs)}; they must have the same length "
+                "(draft_probs may also be empty)"
+            )
+        if n > max_nodes:
+            raise ResourceExhausted(f"tree has {n} nodes; this verifier accepts at most {max_nodes}")
+        for i, (token, parent) in enumerate(zip(self.token_ids, self.parents)):
+            if not -1 <= parent < i:
+                raise InvalidArgument(
+                    f"malformed tree: node {i} has parent {parent}; a parent index must be -1 "
+                    "(the root) or smaller than the node's own index"
+                )
+            if not 0 <= token < vocab_size:
+                raise InvalidArgument(
+                    f"malformed tree: node {i} has token id {token}, outside the vocabulary [0, {vocab_size})"
+                )
+        for i, q in enumerate(self.draft_probs):
+            if not 0.0 <= q <= 1.0:
+                raise InvalidArgument(f"malformed tree: node {i} has draft probability {q}, outside [0, 1]")
+
+    @cached_property
+    def depths(self) -> tuple[int, ...]:
+        """[N] depth of each node; children of the root have depth 1."""
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return tuple(depths)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths, default=0)
+
+    def children(self, node: int) -> list[int]:
+        """Children of ``node`` (-1: the root) in index order."""
+        return [i for i, p in enumerate(self.parents) if p == node]
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root's child down to ``node``."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+
+@dataclass(frozen=True)
+class TreeBuffers:
+    """What the target forward needs for a root + tree block on top of ``prefix_len`` cached tokens."""
+
+    input_ids: torch.Tensor  # [1, N+1] root token, then node tokens
+    position_ids: torch.Tensor  # [1, N+1] prefix_len + depth (root depth 0)
+    tree_attn_mask: torch.Tensor  # [N+1, N+1] bool, row r may attend column c (ancestors and itself)
+
+
+def tree_attn_mask(tree: TokenTree) -> torch.Tensor:
+    """[N+1, N+1] bool mask over root + nodes: each row sees the root, its ancestors and itself."""
+    n = len(tree)
+    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)  # [N+1, N+1]
+    mask[:, 0] = True
+    for i, parent in enumerate(tree.parents):
+        row = i + 1
+        if parent >= 0:
+            mask[row] = mask[parent + 1]
+        mask[row, row] = True
+    return mask
+
+
+def build_buffers(tree: TokenTree, root_token: int, prefix_len: int, device: torch.device | str = "cpu") -> TreeBuffers:
+    input_ids = torch.tensor([[root_token, *tree.token_ids]], dtype=torch.long, device=device)  # [1, N+1]
+    depths = torch.tensor([0, *tree.depths], dtype=torch.long, device=device)  # [N+1]
+    position_ids = (prefix_len + depths).unsqueeze(0)  # [1, N+1]
+    return TreeBuffers(input_ids, position_ids, tree_attn_mask(tree).to(device))
+
+
+def full_attention_mask(tree_mask: torch.Tensor, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, N+1, prefix_len+N+1] additive mask: every row sees the whole cached prefix plus its tree ancestors."""
+    rows = tree_mask.shape[0]
+    allowed = torch.ones(rows, prefix_len + rows, dtype=torch.bool, device=tree_mask.device)  # [N+1, P+N+1]
+    allowed[:, prefix_len:] = tree_mask
+    zero = torch.zeros((), dtype=dtype, device=tree_mask.device)
+    neg = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=tree_mask.device)
+    return torch.where(allowed, zero, neg)[None, None]  # [1, 1, N+1, P+N+1]

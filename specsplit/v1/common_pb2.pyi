@@ -1,0 +1,49 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TokenTree(_message.Message):
+    __slots__ = ("token_ids", "parents", "draft_probs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    draft_probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class RoundStats(_message.Message):
+    __slots__ = ("round", "num_draft_tokens", "num_accepted", "num_committed", "draft_ms", "verify_ms", "drafter", "tree_depth")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    num_draft_tokens: int
+    num_accepted: int
+    num_committed: int
+    draft_ms: float
+    verify_ms: float
+    drafter: str
+    tree_depth: int
+    def __init__(self, round: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted: _Optional[int] = ..., num_committed: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., drafter: _Optional[str] = ..., tree_depth: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,68 @@
+from specsplit.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DraftInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DraftInfoResponse(_message.Message):
+    __slots__ = ("drafter", "model", "tokenizer_fingerprint", "max_nodes")
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    drafter: str
+    model: str
+    tokenizer_fingerprint: str
+    max_nodes: int
+    def __init__(self, drafter: _Optional[str] = ..., model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_nodes: _Optional[int] = ...) -> None: ...
+
+class StartSessionRequest(_message.Message):
+    __slots__ = ("session_id", "prompt_token_ids", "tokenizer_fingerprint")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    tokenizer_fingerprint: str
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+
+class StartSessionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("session_id", "new_token_ids", "committed_length", "max_nodes")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    committed_length: int
+    max_nodes: int
+    def __init__(self, session_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., max_nodes: _Optional[int] = ...) -> None: ...
+
+class ProposeResponse(_message.Message):
+    __slots__ = ("tree", "draft_ms")
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    tree: _common_pb2.TokenTree
+    draft_ms: float
+    def __init__(self, tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., draft_ms: _Optional[float] = ...) -> None: ...
+
+class EndSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class EndSessionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,88 @@
+from specsplit.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class VerifierInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class VerifierInfoResponse(_message.Message):
+    __slots__ = ("model", "tokenizer_fingerprint", "vocab_size", "max_context", "max_tree_nodes", "eos_token_ids", "device", "dtype")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    tokenizer_fingerprint: str
+    vocab_size: int
+    max_context: int
+    max_tree_nodes: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    device: str
+    dtype: str
+    def __init__(self, model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("session_id", "prompt_token_ids", "sampling")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("committed_length", "prefill_ms")
+    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    committed_length: int
+    prefill_ms: float
+    def __init__(self, committed_length: _Optional[int] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("session_id", "tree", "expected_committed_length", "max_commit")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_COMMIT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tree: _common_pb2.TokenTree
+    expected_committed_length: int
+    max_commit: int
+    def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., expected_committed_length: _Optional[int] = ..., max_commit: _Optional[int] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("accepted_token_ids", "next_token_id", "accepted_node_indices", "committed_length", "verify_ms")
+    ACCEPTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_NODE_INDICES_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    accepted_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    next_token_id: int
+    accepted_node_indices: _containers.RepeatedScalarFieldContainer[int]
+    committed_length: int
+    verify_ms: float
+    def __init__(self, accepted_token_ids: _Optional[_Iterable[int]] = ..., next_token_id: _Optional[int] = ..., accepted_node_indices: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., verify_ms: _Optional[float] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,61 @@
+"""Tiny random-weight Llama models and a byte-level tokenizer, built in code (no files, no downloads)."""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from specsplit.models import LoadedModel, tokenizer_fingerprint
+
+VOCAB = 320  # 256 byte tokens + 3 specials + padding ids the tokenizer never produces
+EOS_ID = 257
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
+
+
+def tiny_tokenizer(extra: str = "") -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer over the whole tiny vocabulary; ``extra`` changes the vocab (a different tokenizer)."""
+    byte_chars = list(pre_tokenizers.ByteLevel.alphabet())
+    byte_chars.sort()
+    vocab = {ch: i for i, ch in enumerate(byte_chars)}  # 256 entries
+    vocab.update({"<unk>": 256, "</s>": EOS_ID, "<s>": 258})
+    for i in range(len(vocab), VOCAB):
+        vocab[f"<extra_{i}{extra}>"] = i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>", bos_token="<s>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_llama(seed: int = 0, layers: int = 2, hidden: int = 64, eos: bool = True) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=258, eos_token_id=EOS_ID if eos else None, pad_token_id=None,
+    )
+    model = LlamaForCausalLM(config).eval()
+    # Random init gives near-uniform logits; sharpen them so argmax is decisive, as in a trained model.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = EOS_ID
+    return model
+
+
+def tiny_loaded(seed: int = 0, layers: int = 2, name: str = "", eos: bool = True, tokenizer=None) -> LoadedModel:
+    tok = tokenizer or tiny_tokenizer()
+    return LoadedModel(tiny_llama(seed, layers, eos=eos), tok, name or f"tiny-llama-{seed}", tokenizer_fingerprint(tok))
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The reference: Hugging Face generate(do_sample=False) of the target alone."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens,
+                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    return out[0, len(prompt_ids):].tolist()

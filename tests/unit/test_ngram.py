@@ -1,0 +1,40 @@
+from draft_service.proposers import NgramIndex, NgramProposer
+from specsplit.config import DraftConfig
+
+
+def test_continuation_of_longest_suffix_match():
+    index = NgramIndex(1, 3)
+    index.extend([1, 2, 3, 4, 5, 9, 1, 2, 3])
+    assert index.continuations(max_len=3, max_branches=3) == [[4, 5, 9]]
+
+
+def test_most_recent_match_first_and_distinct_branches():
+    index = NgramIndex(1, 2)
+    index.extend([7, 1, 2, 7, 3, 4, 7])
+    # suffix [7] was followed by [3, 4] (most recent) and [1, 2]
+    assert index.continuations(max_len=2, max_branches=3) == [[3, 4], [1, 2]]
+
+
+def test_no_match_gives_empty_tree():
+    proposer = NgramProposer(DraftConfig())
+    proposer.start("s", [1, 2, 3])
+    assert len(proposer.propose("s", [1, 2, 3, 4], max_nodes=8)) == 0
+
+
+def test_proposal_respects_budget_and_branches():
+    proposer = NgramProposer(DraftConfig(ngram_branches=2))
+    tokens = [1, 2, 10, 11, 12, 13, 1, 2, 20, 21, 22, 1, 2]
+    proposer.start("s", tokens)
+    tree = proposer.propose("s", tokens, max_nodes=5)
+    assert len(tree) <= 5
+    # first branch: the most recent continuation of [1, 2]
+    assert tree.token_ids[:3] == (20, 21, 22)
+    assert 10 in tree.token_ids  # the older continuation as a second branch
+    assert proposer.propose("s", tokens, max_nodes=0).token_ids == ()
+
+
+def test_index_follows_new_tokens():
+    proposer = NgramProposer(DraftConfig())
+    proposer.start("s", [5, 6, 7])
+    tree = proposer.propose("s", [5, 6, 7, 5, 6], max_nodes=4)
+    assert tree.token_ids[0] == 7
