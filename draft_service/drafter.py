@@ -59,6 +59,9 @@ class Drafter:
                 span.set_attribute("specsplit.num_draft_tokens", len(tree))
             return tree, (time.perf_counter() - start) * 1e3
 
+    def num_sessions(self) -> int:
+        return len(self._sessions)
+
     def end(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
         self.proposer.end(session_id)

@@ -6,7 +6,6 @@ it likes (an n-gram index, a KV cache); the draft servicer only routes calls.
 
 from __future__ import annotations
 
-import threading
 from typing import Protocol
 
 import torch
@@ -14,6 +13,7 @@ import torch
 from specsplit import kvcache
 from specsplit.config import DraftConfig
 from specsplit.models import LoadedModel
+from specsplit.runner import ModelRunner
 from specsplit.tree import TokenTree
 
 
@@ -121,7 +121,7 @@ class ModelProposer:
         self.tokenizer_fingerprint = loaded.fingerprint
         self._cache_kwarg = kvcache.cache_kwarg(self.model)
         self._sessions: dict[str, tuple[object, list[int]]] = {}  # session -> (cache, cached token ids)
-        self._forward_lock = threading.Lock()
+        self._runner = ModelRunner("draft")
 
     def start(self, session_id: str, prompt_token_ids: list[int]) -> None:
         self._sessions[session_id] = (kvcache.new_cache(self.model), [])
@@ -130,9 +130,8 @@ class ModelProposer:
         self._sessions.pop(session_id, None)
 
     def _forward(self, input_ids, position_ids, mask, cache) -> torch.Tensor:
-        with self._forward_lock, torch.inference_mode():
-            out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                             use_cache=True, **{self._cache_kwarg: cache})
+        out = self._runner(self.model, input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                           use_cache=True, **{self._cache_kwarg: cache})
         return out.logits[0].float().softmax(dim=-1)  # [Q, V]
 
     def propose(self, session_id: str, token_ids: list[int], max_nodes: int) -> TokenTree:

@@ -131,14 +131,14 @@ class Orchestrator:
         info = self.verifier_info
         if not request.prompt_token_ids:
             raise InvalidArgument("prompt is empty: it tokenized to no tokens")
+        if len(request.prompt_token_ids) >= info.max_context:
+            raise InvalidArgument(f"prompt has {len(request.prompt_token_ids)} tokens; the model's context holds "
+                                  f"{info.max_context} (prompt + generated): shorten the prompt")
         if request.max_new_tokens <= 0:
             raise InvalidArgument(f"max_new_tokens must be > 0, got {request.max_new_tokens}")
         if request.max_new_tokens > self.config.max_new_tokens_limit:
             raise InvalidArgument(f"max_new_tokens {request.max_new_tokens} is over this server's limit of "
                                   f"{self.config.max_new_tokens_limit}")
-        if len(request.prompt_token_ids) >= info.max_context:
-            raise InvalidArgument(f"prompt has {len(request.prompt_token_ids)} tokens; the model's context holds "
-                                  f"{info.max_context} (prompt + generated): shorten the prompt")
         request.sampling.validate()
 
     # -- the loop ------------------------------------------------------------------------------------
@@ -155,8 +155,8 @@ class Orchestrator:
             span.set_attribute("gen_ai.request.max_tokens", request.max_new_tokens)
             span.set_attribute("gen_ai.conversation.id", session_id)
             span.set_attribute("gen_ai.usage.input_tokens", len(request.prompt_token_ids))
-            self._prefill(session_id, request.prompt_token_ids)
             draft = self.pick_draft(request.draft)
+            self._prefill(session_id, request.prompt_token_ids)
             session = _Session(session_id, list(request.prompt_token_ids), draft)
             try:
                 if draft is not None:

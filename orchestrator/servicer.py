@@ -20,7 +20,7 @@ def request_from_pb(orchestrator: Orchestrator, msg: orchestrator_pb2.GenerateRe
     s = msg.sampling
     return GenerationRequest(
         prompt_token_ids=prompt_ids,
-        max_new_tokens=msg.max_new_tokens if msg.HasField("max_new_tokens") else orchestrator.config.default_max_new_tokens,
+        max_new_tokens=msg.max_new_tokens if msg.HasField("max_new_tokens") else orchestrator.config.default_new_tokens(),
         stop=list(msg.stop),
         draft=msg.draft or "auto",
         session_id=msg.session_id,

@@ -17,7 +17,10 @@ def start_verifier(loaded: LoadedModel, address: str = "127.0.0.1:0", config: Ve
     from verifier_service.engine import TargetEngine
     from verifier_service.servicer import VerifierServicer, registration
 
-    return Server(address, [registration(VerifierServicer(TargetEngine(loaded, config)))])
+    engine = TargetEngine(loaded, config)
+    server = Server(address, [registration(VerifierServicer(engine))])
+    server.core = engine
+    return server
 
 
 def make_proposer(kind: str, draft_model: str | None = None, device: str | None = "auto", dtype: str = "float32",
@@ -40,7 +43,10 @@ def start_draft(proposer, address: str = "127.0.0.1:0", max_nodes: int = 64, mod
     from draft_service.drafter import Drafter
     from draft_service.servicer import DraftServicer, registration
 
-    return Server(address, [registration(DraftServicer(Drafter(proposer, max_nodes), model_name))])
+    drafter = Drafter(proposer, max_nodes)
+    server = Server(address, [registration(DraftServicer(drafter, model_name))])
+    server.core = drafter
+    return server
 
 
 def start_orchestrator(verifier_address: str, draft_addresses: list[str], tokenizer, address: str = "127.0.0.1:0",
@@ -66,6 +72,13 @@ class Stack:
     @property
     def address(self) -> str:
         return self.orchestrator.address
+
+    @property
+    def verifier_engine(self):
+        return self.verifier.core
+
+    def draft_sessions(self) -> int:
+        return sum(d.core.num_sessions() for d in self.drafts)
 
     def close(self) -> None:
         for server in [self.orchestrator, *self.drafts, self.verifier]:

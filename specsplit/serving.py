@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import logging
@@ -57,12 +58,61 @@ def server_interceptors() -> list:
     return [server_interceptor()]
 
 
-def open_channel(address: str) -> grpc.Channel:
-    """A client channel with specsplit's options and the OpenTelemetry client interceptor."""
-    from opentelemetry.instrumentation.grpc import client_interceptor, intercept_channel
+class _CallDetails(
+    collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
+                                            "compression")),
+    grpc.ClientCallDetails,
+):
+    pass
 
+
+class _ClientTracing(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """A CLIENT span per call, with the trace context injected into the call's metadata.
+
+    Used instead of OpenTelemetry's channel wrapper because that one turns a server stream into a
+    plain generator, and an SDK user must be able to ``cancel()`` a stream.
+    """
+
+    def _start(self, details):
+        from opentelemetry import propagate, trace
+
+        tracer = trace.get_tracer("specsplit.rpc")
+        span = tracer.start_span(details.method.lstrip("/"), kind=trace.SpanKind.CLIENT,
+                                 attributes={"rpc.system": "grpc", "rpc.method": details.method})
+        metadata = list(details.metadata or [])
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier, context=trace.set_span_in_context(span))
+        metadata.extend(carrier.items())
+        return span, _CallDetails(details.method, details.timeout, metadata, details.credentials,
+                                  details.wait_for_ready, details.compression)
+
+    @staticmethod
+    def _end(span, call):
+        from opentelemetry.trace import Status, StatusCode
+
+        code = call.code()
+        span.set_attribute("rpc.grpc.status_code", code.value[0])
+        if code != grpc.StatusCode.OK:
+            span.set_status(Status(StatusCode.ERROR, code.name))
+        span.end()
+
+    def intercept_unary_unary(self, continuation, details, request):
+        span, details = self._start(details)
+        call = continuation(details, request)
+        call.add_done_callback(lambda c: self._end(span, c))
+        return call
+
+    def intercept_unary_stream(self, continuation, details, request):
+        span, details = self._start(details)
+        call = continuation(details, request)
+        call.add_done_callback(lambda c: self._end(span, c))
+        return call
+
+
+def open_channel(address: str) -> grpc.Channel:
+    """A client channel with specsplit's options, propagating trace context on every call."""
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-    return intercept_channel(channel, client_interceptor())
+    return grpc.intercept_channel(channel, _ClientTracing())
 
 
 class Server:
@@ -70,6 +120,7 @@ class Server:
 
     def __init__(self, address: str, services: list[tuple[object, callable, str]], max_workers: int = 32):
         """services: (servicer, add_XServicer_to_server, full service name)."""
+        self.core = None  # the domain object behind the servicer, for in-process owners (tests, embedding)
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers),
             interceptors=server_interceptors(),

@@ -20,6 +20,7 @@ from specsplit.accept import Verdict, accept_greedy
 from specsplit.config import VerifierConfig
 from specsplit.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from specsplit.models import LoadedModel
+from specsplit.runner import ModelRunner
 from specsplit.tree import TokenTree, build_buffers, full_attention_mask
 
 tracer = trace.get_tracer(__name__)
@@ -55,7 +56,7 @@ class TargetEngine:
         self._cache_kwarg = kvcache.cache_kwarg(self.model)
         self._sessions: dict[str, TargetSession] = {}
         self._sessions_lock = threading.Lock()
-        self._forward_lock = threading.Lock()  # one forward at a time: batching is the scheduler's job
+        self._runner = ModelRunner("verifier")  # every forward on one thread, one at a time
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -69,14 +70,14 @@ class TargetEngine:
 
     def _forward(self, input_ids, position_ids, attention_mask, cache) -> torch.Tensor:
         """[1, Q, V] logits for Q new tokens on top of ``cache`` (which grows by Q)."""
-        with self._forward_lock, torch.inference_mode():
-            out = self.model(
-                input_ids=input_ids,  # [1, Q]
-                position_ids=position_ids,  # [1, Q]
-                attention_mask=attention_mask,  # [1, 1, Q, P+Q] or None (causal)
-                use_cache=True,
-                **{self._cache_kwarg: cache},
-            )
+        out = self._runner(
+            self.model,
+            input_ids=input_ids,  # [1, Q]
+            position_ids=position_ids,  # [1, Q]
+            attention_mask=attention_mask,  # [1, 1, Q, P+Q] or None (causal)
+            use_cache=True,
+            **{self._cache_kwarg: cache},
+        )
         return out.logits  # [1, Q, V]
 
     def prefill(self, session_id: str, prompt_token_ids: list[int]) -> tuple[int, float]:

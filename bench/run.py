@@ -1,0 +1,251 @@
+"""Side-by-side greedy decoding benchmark: HF generate, HF prompt lookup, and the specsplit pipeline.
+
+    python bench/run.py [--max-new-tokens 128] [--threads 2] [--kinds code_edit,chat] [--limit 3]
+
+One process: the default target (SmolLM2-135M-Instruct, fp32, CPU) is loaded once and shared by HF
+generate and by the embedded specsplit stack (verifier + n-gram draft + orchestrator, real gRPC on
+loopback). Writes <out>/pipeline.json (raw numbers) and <out>/pipeline.md (tables, also printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
+
+from specsplit.client import Client  # noqa: E402
+from specsplit.launch import default_proposers, start_stack  # noqa: E402
+from specsplit.models import load_model  # noqa: E402
+
+METHODS = ["hf_greedy", "hf_prompt_lookup", "specsplit_ngram", "specsplit_none"]
+WARMUP_PROMPT = "Say hello."
+
+
+@dataclass
+class Run:
+    """One generation: what came out and how long it took."""
+
+    token_ids: list[int]
+    seconds: float
+    rounds: int  # target forwards after prefill that committed tokens (HF: forward calls incl. prefill)
+    accepted: int  # draft tokens the target accepted, summed over rounds
+
+
+@dataclass
+class Row:
+    """One prompt x one method (median over repeats)."""
+
+    prompt_id: str
+    kind: str
+    method: str
+    prompt_tokens: int
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    speedup: float  # vs hf_greedy on the same prompt
+    mean_accepted: float  # accepted draft tokens per round
+    tau: float  # tokens committed per round
+    rounds: int
+    identical_output: bool  # token ids equal to hf_greedy's
+    all_seconds: list[float] = field(default_factory=list)
+
+
+# -- the methods ------------------------------------------------------------------------------------
+class ForwardCounter:
+    """Counts the model's forward calls (one per HF decoding step / assisted-generation round)."""
+
+    def __init__(self, model):
+        self.model, self.count, self.handle = model, 0, None
+
+    def __enter__(self):
+        self.count = 0
+        self.handle = self.model.register_forward_hook(lambda *_: setattr(self, "count", self.count + 1))
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+def hf_generate(loaded, ids: list[int], max_new: int, **extra) -> Run:
+    input_ids = torch.tensor([ids])
+    eos = loaded.tokenizer.eos_token_id
+    with ForwardCounter(loaded.model) as counter, torch.inference_mode():
+        start = time.perf_counter()
+        out = loaded.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                    max_new_tokens=max_new, pad_token_id=eos, **extra)
+        seconds = time.perf_counter() - start
+    new = out[0, len(ids):].tolist()
+    return Run(new, seconds, counter.count, len(new) - counter.count)  # every forward yields one token + accepted
+
+
+def hf_greedy(loaded, client, prompt, ids, max_new) -> Run:
+    return hf_generate(loaded, ids, max_new)
+
+
+def hf_prompt_lookup(loaded, client, prompt, ids, max_new) -> Run:
+    return hf_generate(loaded, ids, max_new, prompt_lookup_num_tokens=10)
+
+
+def specsplit_generate(client: Client, prompt: str, ids: list[int], max_new: int, draft: str) -> Run:
+    tokens: list[int] = []
+    rounds = accepted = 0
+    start = time.perf_counter()
+    for chunk in client.generate(prompt, max_new_tokens=max_new, draft=draft):
+        if chunk.prompt_token_ids is not None and chunk.prompt_token_ids != ids:
+            raise RuntimeError("the stack tokenized the prompt differently from the chat template ids")
+        tokens.extend(chunk.token_ids)
+        if chunk.stats is not None:
+            rounds += 1
+            accepted += chunk.stats.num_accepted
+    return Run(tokens, time.perf_counter() - start, rounds, accepted)
+
+
+def specsplit_ngram(loaded, client, prompt, ids, max_new) -> Run:
+    return specsplit_generate(client, prompt, ids, max_new, "ngram")
+
+
+def specsplit_none(loaded, client, prompt, ids, max_new) -> Run:
+    return specsplit_generate(client, prompt, ids, max_new, "none")
+
+
+RUNNERS = {"hf_greedy": hf_greedy, "hf_prompt_lookup": hf_prompt_lookup,
+           "specsplit_ngram": specsplit_ngram, "specsplit_none": specsplit_none}
+
+
+# -- the benchmark ----------------------------------------------------------------------------------
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def load_prompts(path: pathlib.Path, kinds: list[str] | None, limit: int | None) -> list[dict]:
+    """Prompts of the chosen kinds, interleaved across kinds (so --limit 3 takes one of each)."""
+    prompts = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    by_kind: dict[str, list[dict]] = {}
+    for p in prompts:
+        if not kinds or p["kind"] in kinds:
+            by_kind.setdefault(p["kind"], []).append(p)
+    interleaved = [p for group in _zip_longest(list(by_kind.values())) for p in group]
+    return interleaved[:limit] if limit else interleaved
+
+
+def _zip_longest(groups: list[list]) -> list[list]:
+    return [[g[i] for g in groups if i < len(g)] for i in range(max(map(len, groups), default=0))]
+
+
+def bench_prompt(index: int, p: dict, loaded, client, args) -> list[Row]:
+    # What the stack's chat template produces must be exactly what HF gets.
+    ids = list(client.generate(p["prompt"], max_new_tokens=1, draft="none"))[0].prompt_token_ids
+    if ids != chat_ids(loaded.tokenizer, p["prompt"]):
+        raise RuntimeError(f"{p['id']}: stack prompt_token_ids differ from tokenizer.apply_chat_template")
+    order = METHODS[index % len(METHODS):] + METHODS[:index % len(METHODS)]  # rotate to spread any order bias
+    runs: dict[str, list[Run]] = {m: [] for m in METHODS}
+    for _ in range(args.repeats):
+        for method in order:
+            runs[method].append(RUNNERS[method](loaded, client, p["prompt"], ids, args.max_new_tokens))
+    base = runs["hf_greedy"][0].token_ids
+    base_s = statistics.median(r.seconds for r in runs["hf_greedy"])
+    rows = []
+    for method in METHODS:
+        first_run, secs = runs[method][0], [r.seconds for r in runs[method]]
+        if any(r.token_ids != first_run.token_ids for r in runs[method]):
+            print(f"warning: {p['id']} {method}: repeats produced different tokens", file=sys.stderr)
+        n, s, rounds = len(first_run.token_ids), statistics.median(secs), max(first_run.rounds, 1)
+        rows.append(Row(p["id"], p["kind"], method, len(ids), n, s, n / s, base_s / s, first_run.accepted / rounds,
+                        n / rounds, first_run.rounds, first_run.token_ids == base, secs))
+    return rows
+
+
+def warm_up(loaded, client) -> None:
+    ids = chat_ids(loaded.tokenizer, WARMUP_PROMPT)
+    for method in METHODS:
+        RUNNERS[method](loaded, client, WARMUP_PROMPT, ids, 16)
+
+
+# -- reporting --------------------------------------------------------------------------------------
+def geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def markdown(rows: list[Row], args) -> str:
+    by = {(r.prompt_id, r.method): r for r in rows}
+    ids = list(dict.fromkeys(r.prompt_id for r in rows))
+    lines = [f"SmolLM2-135M-Instruct, fp32, CPU, {args.threads} torch threads, greedy, max_new_tokens="
+             f"{args.max_new_tokens}, repeats={args.repeats} (median). Speedup = method tok/s / HF greedy tok/s.",
+             "",
+             "| prompt | kind | new tok | HF greedy tok/s | HF lookup tok/s | HF lookup speedup | specsplit ngram tok/s "
+             "| ngram speedup | ngram mean accepted | ngram tau | specsplit none tok/s | none speedup | identical |",
+             "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
+    for pid in ids:
+        g, pl, ng, no = (by[(pid, m)] for m in METHODS)
+        differ = [m for m in METHODS[1:] if not by[(pid, m)].identical_output]
+        lines.append(f"| {pid} | {g.kind} | {g.tokens} | {g.tokens_per_s:.1f} | {pl.tokens_per_s:.1f} | "
+                     f"{pl.speedup:.2f}x | {ng.tokens_per_s:.1f} | {ng.speedup:.2f}x | {ng.mean_accepted:.2f} | "
+                     f"{ng.tau:.2f} | {no.tokens_per_s:.1f} | {no.speedup:.2f}x | "
+                     f"{'yes' if not differ else 'no: ' + ', '.join(differ)} |")
+    lines += ["", "Summary per kind (geometric mean speedup vs HF greedy; mean accepted = mean over prompts):", "",
+              "| kind | prompts | HF lookup | specsplit ngram | specsplit none | ngram mean accepted | all identical |",
+              "|---|--:|--:|--:|--:|--:|---|"]
+    kinds = list(dict.fromkeys(r.kind for r in rows))
+    for kind in kinds + ["all"]:
+        sel = [r for r in rows if kind in ("all", r.kind)]
+        sp = {m: geomean([r.speedup for r in sel if r.method == m]) for m in METHODS}
+        acc = statistics.mean(r.mean_accepted for r in sel if r.method == "specsplit_ngram")
+        same = all(r.identical_output for r in sel)
+        lines.append(f"| {kind} | {len({r.prompt_id for r in sel})} | {sp['hf_prompt_lookup']:.2f}x | "
+                     f"{sp['specsplit_ngram']:.2f}x | {sp['specsplit_none']:.2f}x | {acc:.2f} | "
+                     f"{'yes' if same else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (EOS may stop sooner)")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--prompts", type=pathlib.Path, default=HERE / "prompts.jsonl", help="JSONL: id, kind, prompt")
+    parser.add_argument("--kinds", default="", help="comma-separated kinds to keep (code_edit,summarize,chat)")
+    parser.add_argument("--limit", type=int, default=0, help="at most this many prompts, taken across kinds in turn")
+    parser.add_argument("--out", type=pathlib.Path, default=HERE / "results", help="output directory")
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and method (median)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    prompts = load_prompts(args.prompts, [k for k in args.kinds.split(",") if k], args.limit)
+    loaded = load_model(None, "cpu", "float32")
+    rows: list[Row] = []
+    with start_stack(loaded, default_proposers("ngram", None, "cpu", "float32")) as stack, \
+            Client(stack.address) as client:
+        warm_up(loaded, client)
+        for i, p in enumerate(prompts):
+            t0 = time.perf_counter()
+            new = bench_prompt(i, p, loaded, client, args)
+            rows += new
+            print(f"[{i + 1}/{len(prompts)}] {p['id']}: " + ", ".join(
+                f"{r.method} {r.tokens_per_s:.1f} tok/s{'' if r.identical_output else ' (DIFFERS)'}" for r in new)
+                  + f"  ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"model": loaded.name, "dtype": "float32", "device": "cpu", "threads": args.threads,
+            "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "torch": torch.__version__,
+            "prompts": str(args.prompts), "hf_prompt_lookup_num_tokens": 10}
+    (args.out / "pipeline.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
+    table = markdown(rows, args)
+    (args.out / "pipeline.md").write_text("# specsplit pipeline benchmark\n\n" + table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""The `specsplit` command: embedded generate --json, and the three services as separate processes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tiny import hf_greedy, tiny_loaded
+
+JSON_KEYS = {"prompt_token_ids", "token_ids", "text", "rounds", "mean_accepted_tokens", "tokens_per_second",
+             "elapsed_s"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-target")
+    loaded = tiny_loaded(seed=0)
+    loaded.model.save_pretrained(path)
+    loaded.tokenizer.save_pretrained(path)
+    return path, loaded
+
+
+def cli(*args, timeout=120):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", SPECSPLIT_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "specsplit.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_generate_json_is_one_object_with_the_contract_keys(model_dir):
+    path, loaded = model_dir
+    out = cli("generate", "hello world", "--target-model", str(path), "--max-new-tokens", "12", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)  # exactly one JSON object on stdout
+    assert JSON_KEYS <= result.keys()
+    assert result["token_ids"] == hf_greedy(loaded.model, result["prompt_token_ids"], 12)
+    assert result["rounds"] >= 1 and result["tokens_per_second"] > 0
+    assert result["text"] == loaded.tokenizer.decode(result["token_ids"], skip_special_tokens=True)
+
+
+def test_generate_streams_text_and_prints_stats(model_dir):
+    path, _ = model_dir
+    out = cli("generate", "hello", "--target-model", str(path), "--max-new-tokens", "6", "--draft", "none",
+              "--no-chat-template")
+    assert out.returncode == 0, out.stderr
+    assert "tokens/s" in out.stderr and "rounds" in out.stderr
+
+
+def test_bad_input_exits_with_a_clear_message(model_dir):
+    path, _ = model_dir
+    out = cli("generate", "hello", "--target-model", str(path), "--max-new-tokens", "0")
+    assert out.returncode != 0
+    assert "max_new_tokens must be > 0" in out.stderr
+    out = cli("generate", "hello", "--target-model", str(path / "missing"))
+    assert out.returncode == 2 and "not a local Hugging Face model directory" in out.stderr
+
+
+def test_help_teaches():
+    out = cli("--help")
+    assert out.returncode == 0 and "serve verifier" in out.stdout
+    out = cli("generate", "--help")
+    assert "--draft" in out.stdout and "--json" in out.stdout
+
+
+def _serve(*args):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", SPECSPLIT_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "specsplit.cli", "serve", *args, "--listen", "127.0.0.1:0"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    line = proc.stderr.readline()
+    assert "serving on" in line, line + proc.stderr.read()
+    return proc, line.rsplit(" ", 1)[1].strip()
+
+
+def test_services_as_separate_processes(model_dir):
+    path, loaded = model_dir
+    procs = []
+    try:
+        verifier, verifier_addr = _serve("verifier", "--target-model", str(path))
+        procs.append(verifier)
+        draft, draft_addr = _serve("draft", "--draft", "ngram")
+        procs.append(draft)
+        orch, orch_addr = _serve("orchestrator", "--verifier", verifier_addr, "--drafts", draft_addr,
+                                 "--target-model", str(path))
+        procs.append(orch)
+        prompt = "abcabcabcabc"
+        out = cli("generate", prompt, "--orchestrator", orch_addr, "--max-new-tokens", "16", "--json",
+                  "--no-chat-template")
+        assert out.returncode == 0, out.stderr
+        result = json.loads(out.stdout)
+        assert result["token_ids"] == hf_greedy(loaded.model, result["prompt_token_ids"], 16)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            assert proc.wait(timeout=20) == 0  # SIGTERM drains and exits cleanly

@@ -1,0 +1,124 @@
+"""Bad input gets the right gRPC status and a message a person can act on; the services stay up."""
+
+import grpc
+import pytest
+
+from specsplit.client import Client
+from specsplit.launch import start_draft, start_stack
+from specsplit.rpc import RemoteDraft, RemoteVerifier
+from specsplit.tree import TokenTree
+from draft_service.proposers import ModelProposer
+from tiny import hf_greedy, tiny_loaded, tiny_tokenizer
+
+PROMPT = [258, 72, 101, 108, 108, 111]
+
+
+def code_of(call):
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code(), info.value.details()
+
+
+def generate(stack, **kwargs):
+    return list(Client(stack.address).generate(**kwargs))
+
+
+@pytest.mark.parametrize("kwargs, code, words", [
+    (dict(prompt=""), grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
+    (dict(prompt_token_ids=list(range(40, 296))), grpc.StatusCode.INVALID_ARGUMENT, "context holds 256"),
+    (dict(prompt="hi", max_new_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens must be > 0"),
+    (dict(prompt="hi", max_new_tokens=-3), grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens must be > 0"),
+    (dict(prompt="hi", max_new_tokens=101), grpc.StatusCode.INVALID_ARGUMENT, "over this server's limit of 100"),
+    (dict(prompt="hi", temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "temperature must be >= 0"),
+    (dict(prompt="hi", top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p must be in [0, 1]"),
+    (dict(prompt="hi", top_k=-1), grpc.StatusCode.INVALID_ARGUMENT, "top_k must be >= 0"),
+    (dict(prompt="hi", draft="medusa"), grpc.StatusCode.INVALID_ARGUMENT, "unknown draft"),
+    (dict(prompt="hi", draft="model"), grpc.StatusCode.INVALID_ARGUMENT, "no 'model' draft service"),
+    (dict(prompt="hi", prompt_token_ids=[1, 2]), grpc.StatusCode.INVALID_ARGUMENT, "exactly one of"),
+])
+def test_generate_rejects_bad_requests(stack, kwargs, code, words):
+    got, details = code_of(lambda: generate(stack, **kwargs))
+    assert got == code
+    assert words in details
+
+
+def test_verifier_errors(stack):
+    verifier = RemoteVerifier(stack.verifier.address)
+    code, details = code_of(lambda: verifier.verify("nope", TokenTree.empty(), 1, 0, timeout=5))
+    assert code == grpc.StatusCode.NOT_FOUND and "unknown session 'nope'" in details
+    code, details = code_of(lambda: verifier.prefill("s0", [], timeout=5))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "prompt is empty" in details
+    code, details = code_of(lambda: verifier.prefill("s0", [1, 5000], timeout=5))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "outside the vocabulary" in details
+
+    assert verifier.prefill("s1", PROMPT, timeout=5) == len(PROMPT)
+    code, details = code_of(lambda: verifier.prefill("s1", PROMPT, timeout=5))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "already exists" in details
+    bad_trees = {
+        "parent index must be -1": TokenTree((1, 2), (-1, 1)),
+        "outside the vocabulary": TokenTree((1, 999), (-1, 0)),
+        "same length": TokenTree((1, 2), (-1,)),
+    }
+    for words, tree in bad_trees.items():
+        code, details = code_of(lambda: verifier.verify("s1", tree, len(PROMPT), 0, timeout=5))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and words in details
+    code, details = code_of(lambda: verifier.verify("s1", TokenTree.chain([1] * 17), len(PROMPT), 0, timeout=5))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "at most 16" in details
+    # A stale (or repeated) Verify is refused and changes nothing.
+    verdict, _ = verifier.verify("s1", TokenTree.empty(), len(PROMPT), 0, timeout=5)
+    code, details = code_of(lambda: verifier.verify("s1", TokenTree.empty(), len(PROMPT), 0, timeout=5))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "stale or repeated" in details
+    verdict2, _ = verifier.verify("s1", TokenTree.empty(), len(PROMPT) + 1, 0, timeout=5)
+    target = stack.target
+    assert [verdict.next_token_id, verdict2.next_token_id] == hf_greedy(target.model, PROMPT, 2)
+    assert verifier.release("s1", timeout=5) is True
+    assert verifier.release("s1", timeout=5) is False
+
+
+def test_session_cap_is_resource_exhausted(stack):
+    verifier = RemoteVerifier(stack.verifier.address)
+    for i in range(4):
+        verifier.prefill(f"cap{i}", PROMPT, timeout=5)
+    try:
+        code, details = code_of(lambda: verifier.prefill("cap4", PROMPT, timeout=5))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_sessions=4" in details
+    finally:
+        for i in range(4):
+            verifier.release(f"cap{i}", timeout=5)
+
+
+def test_draft_errors(stack):
+    draft = RemoteDraft(stack.drafts[0].address)
+    code, details = code_of(lambda: draft.propose("nope", [], 3, 4, timeout=5))
+    assert code == grpc.StatusCode.NOT_FOUND and "StartSession first" in details
+    draft.start("d1", PROMPT, "", timeout=5)
+    code, details = code_of(lambda: draft.propose("d1", [1], len(PROMPT) + 5, 4, timeout=5))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "not the" in details
+    code, details = code_of(lambda: draft.start("d2", [], "", timeout=5))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_tokenizer_mismatch_is_refused(target):
+    other = tiny_loaded(seed=5, tokenizer=tiny_tokenizer(extra="-other"))
+    assert other.fingerprint != target.fingerprint
+    server = start_draft(ModelProposer(other))
+    try:
+        draft = RemoteDraft(server.address)
+        code, details = code_of(lambda: draft.start("m1", PROMPT, target.fingerprint, timeout=5))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "tokenizer mismatch" in details
+    finally:
+        server.stop(0)
+    with start_stack(target, [ModelProposer(other)]) as stack:
+        code, details = code_of(lambda: generate(stack, prompt="hello", max_new_tokens=4))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "tokenizer mismatch" in details
+        assert stack.verifier  # and nothing leaked: the verifier released the session
+        verifier = RemoteVerifier(stack.verifier.address)
+        assert verifier.release("anything", timeout=5) is False
+
+
+def test_service_stays_up_after_errors(stack):
+    for kwargs in [dict(prompt=""), dict(prompt="x", max_new_tokens=0)]:
+        with pytest.raises(grpc.RpcError):
+            generate(stack, **kwargs)
+    chunks = generate(stack, prompt_token_ids=PROMPT, max_new_tokens=8)
+    assert [t for c in chunks for t in c.token_ids] == hf_greedy(stack.target.model, PROMPT, 8)

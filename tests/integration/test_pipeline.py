@@ -1,0 +1,143 @@
+"""The pipeline's behaviour through real gRPC: fallback, cancellation, stop strings, chat, SDKs, tracing."""
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+
+from draft_service.proposers import NgramProposer
+from specsplit.client import AsyncClient, Client
+from specsplit.config import DraftConfig, OrchestratorConfig
+from specsplit.launch import start_stack
+from specsplit.rpc import RemoteVerifier
+from tiny import hf_greedy
+
+PROMPT = [258, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4]
+
+
+def tokens_of(chunks):
+    return [t for c in chunks for t in c.token_ids]
+
+
+class SlowNgram(NgramProposer):
+    """A draft that has become slow (a fault injected into a real proposer)."""
+
+    def propose(self, session_id, token_ids, max_nodes):
+        time.sleep(0.5)
+        return super().propose(session_id, token_ids, max_nodes)
+
+
+def test_draft_down_falls_back_to_target_only(target):
+    with start_stack(target, [NgramProposer(DraftConfig())]) as stack:
+        stack.drafts[0].stop(0)  # the edge box is gone
+        chunks = list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=30))
+        assert tokens_of(chunks) == hf_greedy(target.model, PROMPT, 30)
+        assert all(c.stats.num_draft_tokens == 0 for c in chunks if c.stats)
+
+
+def test_slow_draft_falls_back_and_output_is_unchanged(target):
+    config = OrchestratorConfig(draft_timeout_s=0.1, draft_retry_rounds=5)
+    with start_stack(target, [SlowNgram(DraftConfig())], orchestrator_config=config) as stack:
+        start = time.perf_counter()
+        chunks = list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=30))
+        assert tokens_of(chunks) == hf_greedy(target.model, PROMPT, 30)
+        assert time.perf_counter() - start < 0.5 * 30  # not every round waited for the slow draft
+
+
+def test_client_cancel_releases_sessions(target):
+    with start_stack(target, [NgramProposer(DraftConfig())]) as stack:
+        stream = Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=200)
+        got = []
+        with pytest.raises(grpc.RpcError) as info:
+            for chunk in stream:
+                got.append(chunk)
+                if len(got) == 3:
+                    stream.cancel()
+        assert info.value.code() == grpc.StatusCode.CANCELLED
+        deadline = time.time() + 5
+        while stack.verifier_engine.num_sessions() and time.time() < deadline:
+            time.sleep(0.05)
+        assert stack.verifier_engine.num_sessions() == 0
+        assert stack.draft_sessions() == 0
+
+
+def test_stop_strings_cut_text_and_tokens(target):
+    tokenizer = target.tokenizer
+    with start_stack(target, [NgramProposer(DraftConfig())]) as stack:
+        full = list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=40))
+        text = "".join(c.text for c in full)
+        expected_tokens = tokens_of(full)
+        assert text == tokenizer.decode(expected_tokens, skip_special_tokens=True)
+        stop = text[10:13]
+        cut = list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=40, stop=[stop]))
+        assert cut[-1].finish_reason == "stop"
+        assert "".join(c.text for c in cut) == text[: text.find(stop)]
+        got = tokens_of(cut)
+        assert got == expected_tokens[: len(got)]
+        assert stop in tokenizer.decode(got) and stop not in tokenizer.decode(got[:-1])
+
+
+def test_chat_template_and_plain_prompt(target):
+    tokenizer = target.tokenizer
+    with start_stack(target, []) as stack:
+        client = Client(stack.address)
+        chat = list(client.generate("hello", max_new_tokens=3))
+        expected = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True)
+        expected = expected["input_ids"] if hasattr(expected, "keys") else expected
+        assert chat[0].prompt_token_ids == list(expected)
+        plain = list(client.generate("hello", max_new_tokens=3, chat_template=False))
+        assert plain[0].prompt_token_ids == tokenizer("hello")["input_ids"]
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+        msgs = list(client.generate(messages=messages, max_new_tokens=3))
+        expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        expected = expected["input_ids"] if hasattr(expected, "keys") else expected
+        assert msgs[0].prompt_token_ids == list(expected)
+
+
+def test_async_client_matches_sync(target):
+    async def collect(address):
+        async with AsyncClient(address) as client:
+            return [c async for c in client.generate(prompt_token_ids=PROMPT, max_new_tokens=20)]
+
+    with start_stack(target, [NgramProposer(DraftConfig())]) as stack:
+        chunks = asyncio.run(collect(stack.address))
+        assert tokens_of(chunks) == hf_greedy(target.model, PROMPT, 20)
+        assert chunks[-1].finish_reason == "length"
+
+
+def test_concurrent_sessions_are_independent(target):
+    prompts = [PROMPT, PROMPT[:5], list(range(40, 70)), [42, 43]]
+    results = {}
+    with start_stack(target, [NgramProposer(DraftConfig())]) as stack:
+        def run(i):
+            results[i] = tokens_of(Client(stack.address).generate(prompt_token_ids=prompts[i], max_new_tokens=24))
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for i, prompt in enumerate(prompts):
+        assert results[i] == hf_greedy(target.model, prompt, 24)
+
+
+def test_health_and_reflection(target):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with start_stack(target, [NgramProposer(DraftConfig())]) as stack:
+        for server, name in [(stack.verifier, "specsplit.v1.VerifierService"),
+                             (stack.drafts[0], "specsplit.v1.DraftService"),
+                             (stack.orchestrator, "specsplit.v1.OrchestratorService")]:
+            channel = grpc.insecure_channel(server.address)
+            health = health_pb2_grpc.HealthStub(channel)
+            status = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+            reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+            responses = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                        timeout=5)
+            services = {s.name for r in responses for s in r.list_services_response.service}
+            assert name in services and "grpc.health.v1.Health" in services
+            channel.close()

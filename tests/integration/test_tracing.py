@@ -1,0 +1,50 @@
+"""Spans per Generate, per round, per draft and verify call, in one trace across the gRPC hops."""
+
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from draft_service.proposers import NgramProposer
+from specsplit.client import Client
+from specsplit.config import DraftConfig
+from specsplit.launch import start_stack
+
+PROMPT = [258, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4]
+
+
+def test_one_trace_across_services(target):
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    with start_stack(target, [NgramProposer(DraftConfig())]) as stack:
+        chunks = list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=12))
+    rounds = sum(1 for c in chunks if c.stats)
+    spans = exporter.get_finished_spans()
+    by_name: dict[str, list] = {}
+    for span in spans:
+        by_name.setdefault(span.name.lstrip("/"), []).append(span)
+    generate = [s for s in spans if s.name.startswith("specsplit.orchestrator.generate")]
+    assert len(generate) == 1
+    gen = generate[0]
+    assert gen.attributes["gen_ai.request.model"] == target.name
+    assert gen.attributes["gen_ai.usage.output_tokens"] == 12
+    trace_id = gen.context.trace_id
+    # the SDK's Generate call, the orchestrator's server span and everything below share one trace
+    assert len(by_name["specsplit.orchestrator.round"]) == rounds
+    assert all(s.context.trace_id == trace_id for s in by_name["specsplit.orchestrator.round"])
+    verify_clients = [s for s in by_name["specsplit.v1.VerifierService/Verify"] if s.kind == trace.SpanKind.CLIENT]
+    verify_servers = [s for s in by_name["specsplit.v1.VerifierService/Verify"] if s.kind == trace.SpanKind.SERVER]
+    assert len(verify_clients) == rounds and len(verify_servers) == rounds
+    assert {s.context.trace_id for s in verify_servers} == {trace_id}
+    round_ids = {s.context.span_id for s in by_name["specsplit.orchestrator.round"]}
+    assert all(s.parent.span_id in round_ids for s in verify_clients)
+    client_ids = {s.context.span_id for s in verify_clients}
+    assert all(s.parent.span_id in client_ids for s in verify_servers)  # propagated across the hop
+    assert {s.context.trace_id for s in by_name["specsplit.verifier.verify"]} == {trace_id}
+    propose = by_name.get("specsplit.v1.DraftService/Propose", [])
+    assert propose and {s.context.trace_id for s in propose} == {trace_id}
+    assert {s.context.trace_id for s in by_name["specsplit.draft.propose"]} == {trace_id}
+    sdk_call = [s for s in by_name["specsplit.v1.OrchestratorService/Generate"] if s.kind == trace.SpanKind.CLIENT]
+    assert sdk_call and sdk_call[0].context.trace_id == trace_id

