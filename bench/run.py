@@ -2,16 +2,20 @@
 
     python bench/run.py [--max-new-tokens 128] [--threads 2] [--kinds code_edit,chat] [--limit 3]
 
-One process: the default target (SmolLM2-135M-Instruct, fp32, CPU) is loaded once and shared by HF
-generate and by the embedded specsplit stack (verifier + n-gram draft + orchestrator, real gRPC on
-loopback). Writes <out>/pipeline.json (raw numbers) and <out>/pipeline.md (tables, also printed).
+The default target (SmolLM2-135M-Instruct, fp32, CPU) runs HF generate in a child process and the
+embedded specsplit stack (verifier + n-gram draft + orchestrator, real gRPC on loopback) in this one;
+the two take turns, never overlap. Writes <out>/pipeline.json (raw numbers) and <out>/pipeline.md
+(tables, also printed).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import multiprocessing
+import os
 import pathlib
 import statistics
 import sys
@@ -29,6 +33,7 @@ from specsplit.models import load_model  # noqa: E402
 
 METHODS = ["hf_greedy", "hf_prompt_lookup", "specsplit_ngram", "specsplit_none"]
 WARMUP_PROMPT = "Say hello."
+BUSY = 0.25  # cores of other processes' load above which a run is flagged
 
 
 @dataclass
@@ -39,6 +44,8 @@ class Run:
     seconds: float
     rounds: int  # target forwards after prefill that committed tokens (HF: forward calls incl. prefill)
     accepted: int  # draft tokens the target accepted, summed over rounds
+    child_cpu_s: float = 0.0  # CPU seconds the HF child process spent on it
+    other_load: float = 0.0  # cores busy with *other* processes during the run (a shared machine skews timings)
 
 
 @dataclass
@@ -57,6 +64,7 @@ class Row:
     tau: float  # tokens committed per round
     rounds: int
     identical_output: bool  # token ids equal to hf_greedy's
+    other_load: float  # max over repeats: cores other processes kept busy while this ran
     all_seconds: list[float] = field(default_factory=list)
 
 
@@ -88,12 +96,43 @@ def hf_generate(loaded, ids: list[int], max_new: int, **extra) -> Run:
     return Run(new, seconds, counter.count, len(new) - counter.count)  # every forward yields one token + accepted
 
 
-def hf_greedy(loaded, client, prompt, ids, max_new) -> Run:
-    return hf_generate(loaded, ids, max_new)
+class HFWorker:
+    """HF generate in a child process: the verifier's model thread and an HF caller thread in one process
+    would be two OpenMP teams on the same cores, which slows both (see README); this keeps one per process."""
+
+    def __init__(self, threads: int):
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_hf_worker_main, args=(child, threads), daemon=True)
+        self.proc.start()
+        self.conn.recv()  # loaded
+
+    def generate(self, ids: list[int], max_new: int, **extra) -> Run:
+        self.conn.send((ids, max_new, extra))
+        return Run(*self.conn.recv())
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join(timeout=30)
 
 
-def hf_prompt_lookup(loaded, client, prompt, ids, max_new) -> Run:
-    return hf_generate(loaded, ids, max_new, prompt_lookup_num_tokens=10)
+def _hf_worker_main(conn, threads: int) -> None:
+    torch.set_num_threads(threads)
+    loaded = load_model(None, "cpu", "float32")
+    conn.send("ready")
+    while (msg := conn.recv()) is not None:
+        cpu = sum(os.times()[:2])
+        run = hf_generate(loaded, *msg[:2], **msg[2])
+        run.child_cpu_s = sum(os.times()[:2]) - cpu
+        conn.send((run.token_ids, run.seconds, run.rounds, run.accepted, run.child_cpu_s))
+
+
+def hf_greedy(hf, client, prompt, ids, max_new) -> Run:
+    return hf.generate(ids, max_new)
+
+
+def hf_prompt_lookup(hf, client, prompt, ids, max_new) -> Run:
+    return hf.generate(ids, max_new, prompt_lookup_num_tokens=10)
 
 
 def specsplit_generate(client: Client, prompt: str, ids: list[int], max_new: int, draft: str) -> Run:
@@ -110,11 +149,11 @@ def specsplit_generate(client: Client, prompt: str, ids: list[int], max_new: int
     return Run(tokens, time.perf_counter() - start, rounds, accepted)
 
 
-def specsplit_ngram(loaded, client, prompt, ids, max_new) -> Run:
+def specsplit_ngram(hf, client, prompt, ids, max_new) -> Run:
     return specsplit_generate(client, prompt, ids, max_new, "ngram")
 
 
-def specsplit_none(loaded, client, prompt, ids, max_new) -> Run:
+def specsplit_none(hf, client, prompt, ids, max_new) -> Run:
     return specsplit_generate(client, prompt, ids, max_new, "none")
 
 
@@ -123,6 +162,35 @@ RUNNERS = {"hf_greedy": hf_greedy, "hf_prompt_lookup": hf_prompt_lookup,
 
 
 # -- the benchmark ----------------------------------------------------------------------------------
+def machine_busy_s() -> float:
+    """CPU seconds all processes on this machine have been busy (Linux /proc/stat; 0 elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+    except OSError:
+        return 0.0
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_for_quiet(max_wait_s: float) -> None:
+    """Wait (up to max_wait_s) for a second in which other processes keep less than a quarter core busy."""
+    deadline = time.monotonic() + max_wait_s
+    while time.monotonic() < deadline:
+        busy = machine_busy_s()
+        time.sleep(1.0)
+        if machine_busy_s() - busy < 0.25:
+            return
+    print(f"note: the machine is still busy after {max_wait_s:.0f} s; timing anyway", file=sys.stderr)
+
+
+def timed(method: str, hf, client, prompt: str, ids: list[int], max_new: int) -> Run:
+    busy, cpu = machine_busy_s(), sum(os.times()[:2])
+    run = RUNNERS[method](hf, client, prompt, ids, max_new)
+    own = sum(os.times()[:2]) - cpu + run.child_cpu_s
+    run.other_load = max(0.0, machine_busy_s() - busy - own) / run.seconds
+    return run
+
+
 def chat_ids(tokenizer, prompt: str) -> list[int]:
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
@@ -143,7 +211,7 @@ def _zip_longest(groups: list[list]) -> list[list]:
     return [[g[i] for g in groups if i < len(g)] for i in range(max(map(len, groups), default=0))]
 
 
-def bench_prompt(index: int, p: dict, loaded, client, args) -> list[Row]:
+def bench_prompt(index: int, p: dict, loaded, hf, client, args) -> list[Row]:
     # What the stack's chat template produces must be exactly what HF gets.
     ids = list(client.generate(p["prompt"], max_new_tokens=1, draft="none"))[0].prompt_token_ids
     if ids != chat_ids(loaded.tokenizer, p["prompt"]):
@@ -151,8 +219,9 @@ def bench_prompt(index: int, p: dict, loaded, client, args) -> list[Row]:
     order = METHODS[index % len(METHODS):] + METHODS[:index % len(METHODS)]  # rotate to spread any order bias
     runs: dict[str, list[Run]] = {m: [] for m in METHODS}
     for _ in range(args.repeats):
+        wait_for_quiet(args.wait_idle)
         for method in order:
-            runs[method].append(RUNNERS[method](loaded, client, p["prompt"], ids, args.max_new_tokens))
+            runs[method].append(timed(method, hf, client, p["prompt"], ids, args.max_new_tokens))
     base = runs["hf_greedy"][0].token_ids
     base_s = statistics.median(r.seconds for r in runs["hf_greedy"])
     rows = []
@@ -162,14 +231,15 @@ def bench_prompt(index: int, p: dict, loaded, client, args) -> list[Row]:
             print(f"warning: {p['id']} {method}: repeats produced different tokens", file=sys.stderr)
         n, s, rounds = len(first_run.token_ids), statistics.median(secs), max(first_run.rounds, 1)
         rows.append(Row(p["id"], p["kind"], method, len(ids), n, s, n / s, base_s / s, first_run.accepted / rounds,
-                        n / rounds, first_run.rounds, first_run.token_ids == base, secs))
+                        n / rounds, first_run.rounds, first_run.token_ids == base,
+                        round(max(r.other_load for r in runs[method]), 2), secs))
     return rows
 
 
-def warm_up(loaded, client) -> None:
+def warm_up(loaded, hf, client) -> None:
     ids = chat_ids(loaded.tokenizer, WARMUP_PROMPT)
     for method in METHODS:
-        RUNNERS[method](loaded, client, WARMUP_PROMPT, ids, 16)
+        RUNNERS[method](hf, client, WARMUP_PROMPT, ids, 32)
 
 
 # -- reporting --------------------------------------------------------------------------------------
@@ -186,13 +256,18 @@ def markdown(rows: list[Row], args) -> str:
              "| prompt | kind | new tok | HF greedy tok/s | HF lookup tok/s | HF lookup speedup | specsplit ngram tok/s "
              "| ngram speedup | ngram mean accepted | ngram tau | specsplit none tok/s | none speedup | identical |",
              "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
+    busy = [r for r in rows if r.other_load > BUSY]
     for pid in ids:
         g, pl, ng, no = (by[(pid, m)] for m in METHODS)
+        pid = pid + (" (busy)" if any(by[(pid, m)].other_load > BUSY for m in METHODS) else "")
         differ = [m for m in METHODS[1:] if not by[(pid, m)].identical_output]
         lines.append(f"| {pid} | {g.kind} | {g.tokens} | {g.tokens_per_s:.1f} | {pl.tokens_per_s:.1f} | "
                      f"{pl.speedup:.2f}x | {ng.tokens_per_s:.1f} | {ng.speedup:.2f}x | {ng.mean_accepted:.2f} | "
                      f"{ng.tau:.2f} | {no.tokens_per_s:.1f} | {no.speedup:.2f}x | "
                      f"{'yes' if not differ else 'no: ' + ', '.join(differ)} |")
+    if busy:
+        lines += ["", f"(busy): other processes kept more than {BUSY} of a core busy during at least one method's run "
+                  f"({len(busy)} of {len(rows)} runs); its speedups are less trustworthy. See other_load in pipeline.json."]
     lines += ["", "Summary per kind (geometric mean speedup vs HF greedy; mean accepted = mean over prompts):", "",
               "| kind | prompts | HF lookup | specsplit ngram | specsplit none | ngram mean accepted | all identical |",
               "|---|--:|--:|--:|--:|--:|---|"]
@@ -218,6 +293,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--limit", type=int, default=0, help="at most this many prompts, taken across kinds in turn")
     parser.add_argument("--out", type=pathlib.Path, default=HERE / "results", help="output directory")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and method (median)")
+    parser.add_argument("--wait-idle", type=float, default=30.0,
+                        help="before each prompt, wait up to this many seconds for other processes to go quiet")
     return parser.parse_args(argv)
 
 
@@ -225,22 +302,25 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     prompts = load_prompts(args.prompts, [k for k in args.kinds.split(",") if k], args.limit)
+    hf = HFWorker(args.threads)
     loaded = load_model(None, "cpu", "float32")
     rows: list[Row] = []
     with start_stack(loaded, default_proposers("ngram", None, "cpu", "float32")) as stack, \
-            Client(stack.address) as client:
-        warm_up(loaded, client)
+            Client(stack.address) as client, contextlib.closing(hf):
+        warm_up(loaded, hf, client)
         for i, p in enumerate(prompts):
             t0 = time.perf_counter()
-            new = bench_prompt(i, p, loaded, client, args)
+            new = bench_prompt(i, p, loaded, hf, client, args)
             rows += new
             print(f"[{i + 1}/{len(prompts)}] {p['id']}: " + ", ".join(
-                f"{r.method} {r.tokens_per_s:.1f} tok/s{'' if r.identical_output else ' (DIFFERS)'}" for r in new)
+                f"{r.method} {r.tokens_per_s:.1f} tok/s{'' if r.identical_output else ' (DIFFERS)'}"
+                f"{f' [other load {r.other_load:.1f}]' if r.other_load > BUSY else ''}" for r in new)
                   + f"  ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"model": loaded.name, "dtype": "float32", "device": "cpu", "threads": args.threads,
+    meta = {"cpus": os.cpu_count(), "model": loaded.name, "dtype": "float32", "device": "cpu", "threads": args.threads,
             "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "torch": torch.__version__,
-            "prompts": str(args.prompts), "hf_prompt_lookup_num_tokens": 10}
+            "prompts": str(args.prompts), "hf_prompt_lookup_num_tokens": 10,
+            "hf_process": "separate child process (one OpenMP team per process)"}
     (args.out / "pipeline.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
     table = markdown(rows, args)
     (args.out / "pipeline.md").write_text("# specsplit pipeline benchmark\n\n" + table)

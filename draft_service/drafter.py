@@ -10,6 +10,7 @@ from opentelemetry import trace
 
 from draft_service.proposers import Proposer
 from specsplit.errors import FailedPrecondition, InvalidArgument, NotFound
+from specsplit.sampling import SamplingParams
 from specsplit.tree import TokenTree
 
 tracer = trace.get_tracer(__name__)
@@ -27,7 +28,8 @@ class Drafter:
         self.max_nodes = max_nodes
         self._sessions: dict[str, DraftSession] = {}
 
-    def start(self, session_id: str, prompt_token_ids: list[int], tokenizer_fingerprint: str) -> None:
+    def start(self, session_id: str, prompt_token_ids: list[int], tokenizer_fingerprint: str,
+              sampling: SamplingParams | None = None) -> None:
         if not session_id:
             raise InvalidArgument("session_id is empty")
         if not prompt_token_ids:
@@ -39,7 +41,7 @@ class Drafter:
                 f"{tokenizer_fingerprint or '(none given)'}; a draft must share the target's tokenizer"
             )
         self._sessions[session_id] = DraftSession(list(prompt_token_ids), threading.Lock())
-        self.proposer.start(session_id, list(prompt_token_ids))
+        self.proposer.start(session_id, list(prompt_token_ids), sampling or SamplingParams())
 
     def propose(self, session_id: str, new_token_ids: list[int], committed_length: int, max_nodes: int) -> tuple[TokenTree, float]:
         session = self._sessions.get(session_id)

@@ -8,20 +8,23 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from dataclasses import dataclass
+
 import torch
 
 from specsplit import kvcache
 from specsplit.config import DraftConfig
 from specsplit.models import LoadedModel
 from specsplit.runner import ModelRunner
-from specsplit.tree import TokenTree
+from specsplit.sampling import SamplingParams, distribution
+from specsplit.tree import SparseDist, TokenTree
 
 
 class Proposer(Protocol):
     name: str
     tokenizer_fingerprint: str  # "" when the proposer works on any tokenizer's ids
 
-    def start(self, session_id: str, prompt_token_ids: list[int]) -> None: ...
+    def start(self, session_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None: ...
 
     def propose(self, session_id: str, token_ids: list[int], max_nodes: int) -> TokenTree: ...
 
@@ -72,7 +75,7 @@ class NgramProposer:
         self.config = config or DraftConfig()
         self._index: dict[str, NgramIndex] = {}
 
-    def start(self, session_id: str, prompt_token_ids: list[int]) -> None:
+    def start(self, session_id: str, prompt_token_ids: list[int], sampling: SamplingParams | None = None) -> None:
         index = NgramIndex(self.config.ngram_min, self.config.ngram_max)
         index.extend(list(prompt_token_ids))
         self._index[session_id] = index
@@ -101,15 +104,28 @@ class NgramProposer:
 def _trim_to_budget(tree: TokenTree, max_nodes: int) -> TokenTree:
     if len(tree) <= max_nodes:
         return tree
-    return TokenTree(tree.token_ids[:max_nodes], tree.parents[:max_nodes], tree.draft_probs[:max_nodes])
+    return TokenTree(tree.token_ids[:max_nodes], tree.parents[:max_nodes], tree.draft_probs[:max_nodes],
+                     tree.node_q[:max_nodes])
+
+
+@dataclass
+class _ModelSession:
+    cache: object  # the draft's KV cache: committed tokens only, between calls
+    cached: list[int]  # the token ids in the cache
+    sampling: SamplingParams  # the target's; q mirrors it (truncated to q_top_k ids)
+    generator: torch.Generator | None
 
 
 class ModelProposer:
-    """A Hugging Face causal LM drafting a top-k tree, one draft forward per depth.
+    """A Hugging Face causal LM drafting a tree, one draft forward per depth.
 
     The draft's cache holds committed tokens only. Each depth expands the chosen frontier nodes in a
     single forward with a tree mask over the cache; afterwards the tree's entries are cut off again.
-    The greedy (top-1) chain is always expanded, so with draft == target the whole chain is accepted.
+
+    Greedy targets get a deterministic top-k tree (q one-hot), and the top-1 chain is always expanded,
+    so with draft == target the whole chain is accepted. Sampling targets get children drawn i.i.d.
+    from the draft's truncated distribution q, which travels with each node: siblings are kept or cut
+    as a prefix of their draws, never by their values, so each child stays an exact draw from q.
     """
 
     name = "model"
@@ -120,11 +136,18 @@ class ModelProposer:
         self.config = config or DraftConfig()
         self.tokenizer_fingerprint = loaded.fingerprint
         self._cache_kwarg = kvcache.cache_kwarg(self.model)
-        self._sessions: dict[str, tuple[object, list[int]]] = {}  # session -> (cache, cached token ids)
+        self._sessions: dict[str, _ModelSession] = {}
         self._runner = ModelRunner("draft")
 
-    def start(self, session_id: str, prompt_token_ids: list[int]) -> None:
-        self._sessions[session_id] = (kvcache.new_cache(self.model), [])
+    def start(self, session_id: str, prompt_token_ids: list[int], sampling: SamplingParams | None = None) -> None:
+        sampling = sampling or SamplingParams()
+        generator = None
+        if not sampling.greedy:
+            generator = torch.Generator()
+            generator.manual_seed(sampling.seed + 1) if sampling.seed is not None else generator.seed()
+            top_k = min(sampling.top_k or self.config.q_top_k, self.config.q_top_k)
+            sampling = SamplingParams(sampling.temperature, top_k, sampling.top_p, sampling.seed)
+        self._sessions[session_id] = _ModelSession(kvcache.new_cache(self.model), [], sampling, generator)
 
     def end(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
@@ -132,62 +155,90 @@ class ModelProposer:
     def _forward(self, input_ids, position_ids, mask, cache) -> torch.Tensor:
         out = self._runner(self.model, input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                            use_cache=True, **{self._cache_kwarg: cache})
-        return out.logits[0].float().softmax(dim=-1)  # [Q, V]
+        return out.logits[0].float()  # [Q, V]
 
     def propose(self, session_id: str, token_ids: list[int], max_nodes: int) -> TokenTree:
-        cache, cached = self._sessions[session_id]
+        session = self._sessions[session_id]
         if max_nodes <= 0:
             return TokenTree.empty()
-        device = self.model.device
-        # Catch up: drop cached tokens that diverge from the committed ones, run the rest in one forward.
-        common = 0
-        for a, b in zip(cached, token_ids):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(token_ids) - 1)  # always re-run the last token to get its next-token probs
-        kvcache.truncate(cache, common)
-        catch_up = token_ids[common:]
-        ids = torch.tensor([catch_up], dtype=torch.long, device=device)  # [1, U]
-        positions = torch.arange(common, len(token_ids), device=device).unsqueeze(0)  # [1, U]
-        probs = self._forward(ids, positions, None, cache)[-1:]  # [1, V] next-token probs after the root
-        self._sessions[session_id] = (cache, list(token_ids))
+        logits = self._catch_up(session, token_ids)[-1:]  # [1, V] after the root (last committed token)
         committed = len(token_ids)
-
+        sampled = not session.sampling.greedy
+        top_k = self.config.model_top_k
         tokens: list[int] = []
         parents: list[int] = []
         draft_probs: list[float] = []
+        node_q: list[SparseDist | None] = []
         cum: list[float] = []  # [N] product of draft probs along each node's path
-        frontier = [-1]  # nodes whose children come from `probs` rows
+        frontier = [-1]  # nodes whose children come from the rows of `logits`
         slot: dict[int, int] = {}  # node -> its offset in the cache after the committed tokens
-        top_k = self.config.model_top_k
         for depth in range(1, self.config.model_depth + 1):
-            candidates = []  # (cumulative prob, parent, token, q)
-            values, indices = probs.topk(top_k, dim=-1)  # [F, k]
-            for row, parent in enumerate(frontier):
-                base = 1.0 if parent < 0 else cum[parent]
-                for rank in range(top_k):
-                    q = float(values[row, rank])
-                    candidates.append((base * q, parent, int(indices[row, rank]), q, rank == 0 and row == 0))
-            # Keep the greedy chain's child first, then the most probable others, within the budget.
-            candidates.sort(key=lambda c: (not c[4], -c[0]))
-            candidates = candidates[: min(top_k * 2, max_nodes - len(tokens))]
+            budget = max_nodes - len(tokens)
+            if sampled:
+                candidates = self._sampled_children(session, logits, frontier, cum)[:budget]
+            else:
+                candidates = self._top_children(logits, frontier, cum, top_k)[: min(2 * top_k, budget)]
             if not candidates:
                 break
             new_nodes = []
-            for c, parent, token, q, _ in candidates:
+            for c, parent, token, q, dist in candidates:
                 new_nodes.append(len(tokens))
                 tokens.append(token)
                 parents.append(parent)
                 draft_probs.append(q)
+                node_q.append(dist)
                 cum.append(c)
             if len(tokens) >= max_nodes or depth == self.config.model_depth:
                 break
-            # Expand the greedy child plus the next most probable ones in one forward.
-            frontier = new_nodes[:top_k]
-            probs = self._expand(cache, committed, TokenTree(tuple(tokens), tuple(parents)), slot, frontier)
-        kvcache.truncate(cache, committed)
-        return TokenTree(tuple(tokens), tuple(parents), tuple(draft_probs))
+            # Expand the first candidate (the greedy chain's child when greedy) and the most probable others.
+            frontier = [new_nodes[0], *sorted(new_nodes[1:], key=lambda n: -cum[n])[: top_k - 1]]
+            tree = TokenTree(tuple(tokens), tuple(parents))
+            logits = self._expand(session.cache, committed, tree, slot, frontier)
+        kvcache.truncate(session.cache, committed)
+        return TokenTree(tuple(tokens), tuple(parents), tuple(draft_probs), tuple(node_q) if sampled else ())
+
+    def _catch_up(self, session: _ModelSession, token_ids: list[int]) -> torch.Tensor:
+        """Bring the cache to the committed tokens; return the logits of the tokens run ([U, V])."""
+        common = 0
+        for a, b in zip(session.cached, token_ids):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(token_ids) - 1)  # always re-run the last token to get its next-token logits
+        kvcache.truncate(session.cache, common)
+        device = self.model.device
+        ids = torch.tensor([token_ids[common:]], dtype=torch.long, device=device)  # [1, U]
+        positions = torch.arange(common, len(token_ids), device=device).unsqueeze(0)  # [1, U]
+        logits = self._forward(ids, positions, None, session.cache)  # [U, V]
+        session.cached = list(token_ids)
+        return logits
+
+    @staticmethod
+    def _top_children(logits, frontier, cum, top_k):
+        """Deterministic: each frontier node's top-k tokens, greedy chain first, then by cumulative prob."""
+        probs = logits.softmax(dim=-1)  # [F, V]
+        values, indices = probs.topk(top_k, dim=-1)  # [F, k]
+        candidates = []
+        for row, parent in enumerate(frontier):
+            base = 1.0 if parent < 0 else cum[parent]
+            for rank in range(top_k):
+                q = float(values[row, rank])
+                candidates.append((base * q, parent, int(indices[row, rank]), q, None, row == 0 and rank == 0))
+        candidates.sort(key=lambda c: (not c[5], -c[0]))
+        return [c[:5] for c in candidates]
+
+    def _sampled_children(self, session, logits, frontier, cum):
+        """Sampling: each frontier node's children are k i.i.d. draws from q, in frontier then draw order."""
+        q_rows = distribution(logits, session.sampling)  # [F, V]
+        candidates = []
+        for row, parent in enumerate(frontier):
+            base = 1.0 if parent < 0 else cum[parent]
+            q = q_rows[row]  # [V]
+            dist = SparseDist.from_probs(q)
+            draws = torch.multinomial(q, self.config.model_top_k, replacement=True, generator=session.generator)
+            for token in draws.tolist():
+                candidates.append((base * float(q[token]), parent, token, float(q[token]), dist))
+        return candidates
 
     def _expand(self, cache, committed: int, tree: TokenTree, slot: dict[int, int], frontier: list[int]) -> torch.Tensor:
         """Run the frontier nodes on top of the cache (committed tokens + nodes already in ``slot``).
@@ -207,4 +258,4 @@ class ModelProposer:
         mask = torch.where(allowed, zero, neg).to(device)[None, None]  # [1, 1, F, C+T]
         ids = torch.tensor([[tree.token_ids[n] for n in frontier]], dtype=torch.long, device=device)  # [1, F]
         positions = torch.tensor([[committed - 1 + tree.depths[n] for n in frontier]], device=device)  # [1, F]
-        return self._forward(ids, positions, mask, cache)  # [F, V]
+        return self._forward(ids, positions, mask, cache)  # [F, V] logits

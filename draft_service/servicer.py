@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from draft_service.drafter import Drafter
-from specsplit.rpc import tree_to_pb
+from specsplit.rpc import sampling_from_pb, tree_to_pb
 from specsplit.serving import grpc_errors
 from specsplit.v1 import draft_pb2, draft_pb2_grpc
 
@@ -24,7 +24,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     @grpc_errors
     def StartSession(self, request, context):
-        self.drafter.start(request.session_id, list(request.prompt_token_ids), request.tokenizer_fingerprint)
+        self.drafter.start(request.session_id, list(request.prompt_token_ids), request.tokenizer_fingerprint,
+                           sampling_from_pb(request.sampling))
         return draft_pb2.StartSessionResponse()
 
     @grpc_errors

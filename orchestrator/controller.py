@@ -29,6 +29,9 @@ class BudgetController:
     verify_ms: dict[int, float] = field(default_factory=dict)  # size bucket -> measured ms
     draft_ms: float = 0.0  # measured draft cost of a non-empty proposal
     overhead_ms: float = 0.5  # a round's fixed cost beyond the verify forward (RPCs, bookkeeping)
+    # Seeded requests must give the same tokens run after run: budgets then follow acceptance alone
+    # (prior cost shape, no wall-clock measurements), so the same trees are drafted every time.
+    deterministic: bool = False
 
     @property
     def accept_rate(self) -> float:
@@ -68,6 +71,8 @@ class BudgetController:
         if tree_depth > 0:
             self.accepted += accepted_depth
             self.trials += min(accepted_depth + 1, tree_depth)
+        if self.deterministic:
+            return
         bucket = _bucket(num_draft_tokens)
         old = self.verify_ms.get(bucket)
         self.verify_ms[bucket] = verify_ms if old is None else (1 - self.ema) * old + self.ema * verify_ms

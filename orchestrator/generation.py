@@ -20,6 +20,7 @@ from orchestrator.detok import TextStream
 from specsplit.config import OrchestratorConfig
 from specsplit.errors import FailedPrecondition, InvalidArgument
 from specsplit.rpc import DraftInfo, RpcError, VerifierInfo
+from specsplit.sampling import SamplingParams
 from specsplit.stream import Chunk, RoundStats
 from specsplit.tree import TokenTree
 
@@ -27,24 +28,6 @@ log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
 DRAFT_CHOICES = ("auto", "ngram", "model", "none")
-
-
-@dataclass
-class SamplingParams:
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    def validate(self) -> None:
-        if not self.temperature >= 0.0:
-            raise InvalidArgument(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise InvalidArgument(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 <= self.top_p <= 1.0:
-            raise InvalidArgument(f"top_p must be in [0, 1] (0 or 1 = off), got {self.top_p}")
-        if self.temperature > 0.0:
-            raise InvalidArgument("sampling (temperature > 0) is not available yet; use temperature 0 (greedy)")
 
 
 @dataclass
@@ -156,8 +139,8 @@ class Orchestrator:
             span.set_attribute("gen_ai.conversation.id", session_id)
             span.set_attribute("gen_ai.usage.input_tokens", len(request.prompt_token_ids))
             draft = self.pick_draft(request.draft)
-            self._prefill(session_id, request.prompt_token_ids)
-            session = _Session(session_id, list(request.prompt_token_ids), draft)
+            self._prefill(session_id, request.prompt_token_ids, request.sampling)
+            session = _Session(session_id, list(request.prompt_token_ids), draft, request.sampling)
             try:
                 if draft is not None:
                     self._start_draft(session)
@@ -170,7 +153,8 @@ class Orchestrator:
 
     def _rounds(self, session, request, max_new, cancelled, info) -> Iterator[Chunk]:
         stream = TextStream(self.tokenizer, list(request.stop))
-        controller = BudgetController(max_nodes=min(info.max_tree_nodes, self.config_max_nodes(session)))
+        controller = BudgetController(max_nodes=min(info.max_tree_nodes, self.config_max_nodes(session)),
+                                      deterministic=request.sampling.seed is not None)
         eos = set(info.eos_token_ids)
         while True:
             if cancelled.is_set():
@@ -215,14 +199,15 @@ class Orchestrator:
         info = self._draft_info_of(session.draft) if session.draft is not None else None
         return info.max_nodes if info is not None and info.max_nodes else 64
 
-    def _prefill(self, session_id: str, prompt_token_ids: list[int]) -> None:
+    def _prefill(self, session_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         with tracer.start_as_current_span("specsplit.orchestrator.prefill"):
-            self.verifier.prefill(session_id, prompt_token_ids, timeout=self.config.prefill_timeout_s)
+            self.verifier.prefill(session_id, prompt_token_ids, timeout=self.config.prefill_timeout_s,
+                                  sampling=sampling)
 
     def _start_draft(self, session) -> None:
         try:
             session.draft.start(session.id, session.token_ids, self.verifier_info.tokenizer_fingerprint,
-                                timeout=self.config.draft_timeout_s)
+                                timeout=self.config.draft_timeout_s, sampling=session.sampling)
             session.unsent = []
             session.draft_down_until = 0
         except RpcError as err:
@@ -274,6 +259,7 @@ class _Session:
     id: str
     token_ids: list[int]  # committed: prompt + generated (may run past a stop; that tail is never sent)
     draft: object | None
+    sampling: SamplingParams
     unsent: list[int] = field(default_factory=list)  # committed tokens the draft has not seen yet
     round: int = 0
     generated: int = 0  # tokens handed to the client

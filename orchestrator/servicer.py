@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from orchestrator.generation import GenerationRequest, Orchestrator, SamplingParams
-from specsplit.rpc import chunk_to_pb
+from orchestrator.generation import GenerationRequest, Orchestrator
+from specsplit.rpc import chunk_to_pb, sampling_from_pb
 from specsplit.serving import grpc_errors
 from specsplit.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
@@ -17,14 +17,13 @@ def request_from_pb(orchestrator: Orchestrator, msg: orchestrator_pb2.GenerateRe
         token_ids=list(msg.prompt_token_ids),
         chat_template=not msg.no_chat_template,
     )
-    s = msg.sampling
     return GenerationRequest(
         prompt_token_ids=prompt_ids,
         max_new_tokens=msg.max_new_tokens if msg.HasField("max_new_tokens") else orchestrator.config.default_new_tokens(),
         stop=list(msg.stop),
         draft=msg.draft or "auto",
         session_id=msg.session_id,
-        sampling=SamplingParams(s.temperature, s.top_k, s.top_p or 1.0, s.seed if s.HasField("seed") else None),
+        sampling=sampling_from_pb(msg.sampling),
     )
 
 

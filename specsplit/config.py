@@ -20,6 +20,7 @@ class DraftConfig:
     ngram_branches: int = 3  # distinct continuations offered as branches of one tree
     model_top_k: int = 2  # children per expanded node in the model drafter's tree
     model_depth: int = 6  # draft forwards per tree
+    q_top_k: int = 32  # a sampling draft draws from its top 32 tokens: q travels as at most 32 (id, prob) pairs
 
 
 @dataclass

@@ -9,17 +9,51 @@ import grpc
 
 from specsplit.accept import Verdict
 from specsplit.serving import open_channel
+from specsplit.errors import InvalidArgument
+from specsplit.sampling import SamplingParams
 from specsplit.stream import Chunk, RoundStats
-from specsplit.tree import TokenTree
+from specsplit.tree import SparseDist, TokenTree
 from specsplit.v1 import common_pb2, draft_pb2, draft_pb2_grpc, orchestrator_pb2, verifier_pb2, verifier_pb2_grpc
 
 
 def tree_to_pb(tree: TokenTree) -> common_pb2.TokenTree:
-    return common_pb2.TokenTree(token_ids=tree.token_ids, parents=tree.parents, draft_probs=tree.draft_probs)
+    msg = common_pb2.TokenTree(token_ids=tree.token_ids, parents=tree.parents, draft_probs=tree.draft_probs)
+    if any(q is not None for q in tree.node_q):
+        offsets = [0]
+        for q in tree.node_q:
+            if q is not None:
+                msg.q_token_ids.extend(q.token_ids)
+                msg.q_probs.extend(q.probs)
+            offsets.append(len(msg.q_token_ids))
+        msg.q_offsets.extend(offsets)
+    return msg
 
 
 def tree_from_pb(msg: common_pb2.TokenTree) -> TokenTree:
-    return TokenTree(tuple(msg.token_ids), tuple(msg.parents), tuple(msg.draft_probs))
+    node_q: tuple = ()
+    n = len(msg.token_ids)
+    if msg.q_offsets:
+        off = list(msg.q_offsets)
+        if len(off) != n + 1 or off[0] != 0 or off[-1] != len(msg.q_token_ids) or len(msg.q_probs) != off[-1] \
+                or any(a > b for a, b in zip(off, off[1:])):
+            raise InvalidArgument(f"malformed tree: q_offsets must have num_nodes + 1 = {n + 1} non-decreasing "
+                                  f"entries from 0 to len(q_token_ids) = {len(msg.q_token_ids)} = len(q_probs)")
+        node_q = tuple(
+            SparseDist(tuple(msg.q_token_ids[a:b]), tuple(msg.q_probs[a:b])) if b > a else None
+            for a, b in zip(off, off[1:])
+        )
+    return TokenTree(tuple(msg.token_ids), tuple(msg.parents), tuple(msg.draft_probs), node_q)
+
+
+def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(msg.temperature, msg.top_k, msg.top_p or 1.0, msg.seed if msg.HasField("seed") else None)
 
 
 def verdict_to_pb(verdict: Verdict, committed_length: int, verify_ms: float) -> verifier_pb2.VerifyResponse:
@@ -51,9 +85,7 @@ def chunk_to_pb(chunk: Chunk) -> orchestrator_pb2.GenerateChunk:
 
 def generate_request_to_pb(prompt, messages, prompt_token_ids, max_new_tokens, temperature, top_k, top_p, seed,
                            stop, draft, chat_template, session_id) -> orchestrator_pb2.GenerateRequest:
-    sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    if seed is not None:
-        sampling.seed = seed
+    sampling = sampling_to_pb(SamplingParams(temperature, top_k, top_p, seed))
     msg = orchestrator_pb2.GenerateRequest(
         prompt=prompt or "",
         messages=[orchestrator_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ()],
@@ -108,8 +140,10 @@ class RemoteVerifier:
         return VerifierInfo(r.model, r.tokenizer_fingerprint, r.vocab_size, r.max_context, r.max_tree_nodes,
                             tuple(r.eos_token_ids))
 
-    def prefill(self, session_id: str, prompt_token_ids: list[int], timeout: float) -> int:
-        r = self.stub.Prefill(verifier_pb2.PrefillRequest(session_id=session_id, prompt_token_ids=prompt_token_ids),
+    def prefill(self, session_id: str, prompt_token_ids: list[int], timeout: float,
+                sampling: SamplingParams | None = None) -> int:
+        r = self.stub.Prefill(verifier_pb2.PrefillRequest(session_id=session_id, prompt_token_ids=prompt_token_ids,
+                                                          sampling=sampling_to_pb(sampling or SamplingParams())),
                               timeout=timeout)
         return r.committed_length
 
@@ -139,10 +173,12 @@ class RemoteDraft:
         r = self.stub.GetInfo(draft_pb2.DraftInfoRequest(), timeout=timeout)
         return DraftInfo(r.drafter, r.model, r.tokenizer_fingerprint, r.max_nodes)
 
-    def start(self, session_id: str, prompt_token_ids: list[int], tokenizer_fingerprint: str, timeout: float) -> None:
+    def start(self, session_id: str, prompt_token_ids: list[int], tokenizer_fingerprint: str, timeout: float,
+              sampling: SamplingParams | None = None) -> None:
         self.stub.StartSession(
             draft_pb2.StartSessionRequest(session_id=session_id, prompt_token_ids=prompt_token_ids,
-                                          tokenizer_fingerprint=tokenizer_fingerprint),
+                                          tokenizer_fingerprint=tokenizer_fingerprint,
+                                          sampling=sampling_to_pb(sampling or SamplingParams())),
             timeout=timeout,
         )
 

@@ -20,15 +20,50 @@ from specsplit.errors import InvalidArgument, ResourceExhausted
 
 
 @dataclass(frozen=True)
+class SparseDist:
+    """A draft distribution over a few token ids (the support it actually sampled from)."""
+
+    token_ids: tuple[int, ...]  # [S]
+    probs: tuple[float, ...]  # [S], sums to 1
+
+    @classmethod
+    def from_probs(cls, probs: torch.Tensor) -> "SparseDist":
+        """From a dense [V] distribution (zeros dropped)."""
+        ids = probs.nonzero().flatten()  # [S]
+        return cls(tuple(ids.tolist()), tuple(probs[ids].tolist()))
+
+    def validate(self, where: str, token: int, vocab_size: int) -> None:
+        if len(self.token_ids) != len(self.probs) or not self.token_ids:
+            raise InvalidArgument(f"malformed tree: {where}'s draft distribution has {len(self.token_ids)} ids and "
+                                  f"{len(self.probs)} probabilities; they must match and not be empty")
+        if any(not 0 <= t < vocab_size for t in self.token_ids):
+            raise InvalidArgument(f"malformed tree: {where}'s draft distribution names a token outside the "
+                                  f"vocabulary [0, {vocab_size})")
+        if any(not 0.0 <= q <= 1.0 for q in self.probs) or abs(sum(self.probs) - 1.0) > 1e-3:
+            raise InvalidArgument(f"malformed tree: {where}'s draft probabilities must be in [0, 1] and sum to 1 "
+                                  f"(sum is {sum(self.probs):.6f})")
+        if token not in self.token_ids or self.probs[self.token_ids.index(token)] <= 0.0:
+            raise InvalidArgument(f"malformed tree: {where}'s token {token} has zero probability under the "
+                                  "distribution it was supposedly drawn from")
+
+    def dense(self, vocab_size: int, device=None) -> torch.Tensor:
+        q = torch.zeros(vocab_size, device=device)  # [V]
+        q[list(self.token_ids)] = torch.tensor(self.probs, device=device)
+        return q
+
+
+@dataclass(frozen=True)
 class TokenTree:
     token_ids: tuple[int, ...]  # [N] drafted token of each node
     parents: tuple[int, ...]  # [N] parent node index, -1 for children of the root
     draft_probs: tuple[float, ...] = field(default=())  # [N] q(token | ancestors); () = unknown
+    node_q: tuple[SparseDist | None, ...] = field(default=())  # [N] what each token was drawn from; None/() = one-hot
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "token_ids", tuple(int(t) for t in self.token_ids))
         object.__setattr__(self, "parents", tuple(int(p) for p in self.parents))
         object.__setattr__(self, "draft_probs", tuple(float(q) for q in self.draft_probs))
+        object.__setattr__(self, "node_q", tuple(self.node_q))
 
     @classmethod
     def empty(cls) -> "TokenTree":
@@ -84,6 +119,11 @@ class TokenTree:
         for i, q in enumerate(self.draft_probs):
             if not 0.0 <= q <= 1.0:
                 raise InvalidArgument(f"malformed tree: node {i} has draft probability {q}, outside [0, 1]")
+        if self.node_q and len(self.node_q) != n:
+            raise InvalidArgument(f"malformed tree: {len(self.node_q)} draft distributions for {n} nodes")
+        for i, q in enumerate(self.node_q):
+            if q is not None:
+                q.validate(f"node {i}", self.token_ids[i], vocab_size)
 
     @cached_property
     def depths(self) -> tuple[int, ...]:

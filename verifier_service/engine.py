@@ -20,6 +20,7 @@ from specsplit.accept import Verdict, accept_greedy
 from specsplit.config import VerifierConfig
 from specsplit.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from specsplit.models import LoadedModel
+from specsplit.sampling import SamplingParams, accept_sampled, distribution
 from specsplit.runner import ModelRunner
 from specsplit.tree import TokenTree, build_buffers, full_attention_mask
 
@@ -30,6 +31,8 @@ tracer = trace.get_tracer(__name__)
 class TargetSession:
     cache: object  # transformers Cache holding committed tokens [0, committed_length - 1)
     token_ids: list[int]  # [committed_length] prompt + generated
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    generator: torch.Generator | None = None  # the session's RNG (sampling only)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -80,8 +83,11 @@ class TargetEngine:
         )
         return out.logits  # [1, Q, V]
 
-    def prefill(self, session_id: str, prompt_token_ids: list[int]) -> tuple[int, float]:
+    def prefill(self, session_id: str, prompt_token_ids: list[int],
+                sampling: SamplingParams | None = None) -> tuple[int, float]:
         """Cache the prompt (all but its last token, which becomes the pending token)."""
+        sampling = sampling or SamplingParams()
+        sampling.validate()
         if not session_id:
             raise InvalidArgument("session_id is empty")
         if not prompt_token_ids:
@@ -102,7 +108,8 @@ class TargetEngine:
                     f"verifier holds {len(self._sessions)} sessions (max_sessions={self.config.max_sessions}); "
                     "retry later or on another replica"
                 )
-            session = TargetSession(cache=kvcache.new_cache(self.model), token_ids=list(prompt_token_ids))
+            session = TargetSession(cache=kvcache.new_cache(self.model), token_ids=list(prompt_token_ids),
+                                    sampling=sampling, generator=_generator(sampling))
             self._sessions[session_id] = session
         start = time.perf_counter()
         try:
@@ -154,8 +161,12 @@ class TargetEngine:
         except BaseException:
             kvcache.truncate(session.cache, prefix_len)  # the session stays as it was before this Verify
             raise
-        target_token_ids = logits[0].argmax(dim=-1).tolist()  # [N+1]
-        verdict = accept_greedy(tree, target_token_ids, max_commit)
+        if session.sampling.greedy:
+            target_token_ids = logits[0].argmax(dim=-1).tolist()  # [N+1]
+            verdict = accept_greedy(tree, target_token_ids, max_commit)
+        else:
+            p = distribution(logits[0], session.sampling).cpu()  # [N+1, V]
+            verdict = accept_sampled(tree, p, tree.node_q, session.generator, max_commit)
         kvcache.compact(session.cache, prefix_len, verdict.rows_to_keep)
         session.token_ids.extend(verdict.committed_token_ids)
         return verdict
@@ -163,3 +174,14 @@ class TargetEngine:
     def release(self, session_id: str) -> bool:
         with self._sessions_lock:
             return self._sessions.pop(session_id, None) is not None
+
+
+def _generator(sampling: SamplingParams) -> torch.Generator | None:
+    if sampling.greedy:
+        return None
+    generator = torch.Generator()
+    if sampling.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(sampling.seed)
+    return generator

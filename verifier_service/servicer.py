@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specsplit.rpc import tree_from_pb, verdict_to_pb
+from specsplit.rpc import sampling_from_pb, tree_from_pb, verdict_to_pb
 from specsplit.serving import grpc_errors
 from specsplit.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_service.engine import TargetEngine
@@ -28,7 +28,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
 
     @grpc_errors
     def Prefill(self, request, context):
-        committed_length, prefill_ms = self.engine.prefill(request.session_id, list(request.prompt_token_ids))
+        committed_length, prefill_ms = self.engine.prefill(request.session_id, list(request.prompt_token_ids),
+                                                           sampling_from_pb(request.sampling))
         return verifier_pb2.PrefillResponse(committed_length=committed_length, prefill_ms=prefill_ms)
 
     @grpc_errors

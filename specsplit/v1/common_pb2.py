@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specsplit/v1/common.proto\x12\x0cspecsplit.v1\"D\n\tTokenTree\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x13\n\x0b\x64raft_probs\x18\x03 \x03(\x02\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xac\x01\n\nRoundStats\x12\r\n\x05round\x18\x01 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\r\x12\x15\n\rnum_committed\x18\x04 \x01(\r\x12\x10\n\x08\x64raft_ms\x18\x05 \x01(\x01\x12\x11\n\tverify_ms\x18\x06 \x01(\x01\x12\x0f\n\x07\x64rafter\x18\x07 \x01(\t\x12\x12\n\ntree_depth\x18\x08 \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specsplit/v1/common.proto\x12\x0cspecsplit.v1\"}\n\tTokenTree\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x13\n\x0b\x64raft_probs\x18\x03 \x03(\x02\x12\x11\n\tq_offsets\x18\x04 \x03(\r\x12\x13\n\x0bq_token_ids\x18\x05 \x03(\x05\x12\x0f\n\x07q_probs\x18\x06 \x03(\x02\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xac\x01\n\nRoundStats\x12\r\n\x05round\x18\x01 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\r\x12\x15\n\rnum_committed\x18\x04 \x01(\r\x12\x10\n\x08\x64raft_ms\x18\x05 \x01(\x01\x12\x11\n\tverify_ms\x18\x06 \x01(\x01\x12\x0f\n\x07\x64rafter\x18\x07 \x01(\t\x12\x12\n\ntree_depth\x18\x08 \x01(\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,9 +32,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specsplit.v1.common_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TOKENTREE']._serialized_start=43
-  _globals['_TOKENTREE']._serialized_end=111
-  _globals['_SAMPLINGPARAMS']._serialized_start=113
-  _globals['_SAMPLINGPARAMS']._serialized_end=208
-  _globals['_ROUNDSTATS']._serialized_start=211
-  _globals['_ROUNDSTATS']._serialized_end=383
+  _globals['_TOKENTREE']._serialized_end=168
+  _globals['_SAMPLINGPARAMS']._serialized_start=170
+  _globals['_SAMPLINGPARAMS']._serialized_end=265
+  _globals['_ROUNDSTATS']._serialized_start=268
+  _globals['_ROUNDSTATS']._serialized_end=440
 # @@protoc_insertion_point(module_scope)

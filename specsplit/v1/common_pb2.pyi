@@ -7,14 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TokenTree(_message.Message):
-    __slots__ = ("token_ids", "parents", "draft_probs")
+    __slots__ = ("token_ids", "parents", "draft_probs", "q_offsets", "q_token_ids", "q_probs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    Q_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    Q_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    Q_PROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[float]] = ...) -> None: ...
+    q_offsets: _containers.RepeatedScalarFieldContainer[int]
+    q_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    q_probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[float]] = ..., q_offsets: _Optional[_Iterable[int]] = ..., q_token_ids: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed")

@@ -24,14 +24,16 @@ class DraftInfoResponse(_message.Message):
     def __init__(self, drafter: _Optional[str] = ..., model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_nodes: _Optional[int] = ...) -> None: ...
 
 class StartSessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "tokenizer_fingerprint")
+    __slots__ = ("session_id", "prompt_token_ids", "tokenizer_fingerprint", "sampling")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     tokenizer_fingerprint: str
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+    sampling: _common_pb2.SamplingParams
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class StartSessionResponse(_message.Message):
     __slots__ = ()

@@ -1,0 +1,177 @@
+"""Lossless speculative sampling: committed tokens follow the target distribution exactly."""
+
+import itertools
+
+import pytest
+import torch
+
+from specsplit.accept import accept_greedy
+from specsplit.sampling import SamplingParams, accept_sampled, distribution
+from specsplit.tree import SparseDist, TokenTree
+
+V = 5
+
+
+def markov(seed: int, sharp: float = 1.0) -> torch.Tensor:
+    """[V, V] row-stochastic: next-token distribution given the last token."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(V, V, generator=g) * sharp).softmax(dim=-1).double()
+
+
+P = markov(0, 1.5)  # the target
+Q = markov(1, 1.0)  # an unrelated draft
+
+
+def exact_pair(target: torch.Tensor, root: int) -> torch.Tensor:
+    """[V, V] exact P(t1, t2) under the target from `root`."""
+    return target[root][:, None] * target
+
+
+# -- tree proposals: each returns (tree, node_q), drawing from the draft exactly as a proposer would ----------
+def chain(g, root, depth=3):
+    tokens, qs, parents, last = [], [], [], root
+    for d in range(depth):
+        q = Q[last].float()
+        x = int(torch.multinomial(q, 1, generator=g))
+        tokens.append(x), qs.append(SparseDist.from_probs(q)), parents.append(d - 1)
+        last = x
+    return TokenTree(tuple(tokens), tuple(parents), node_q=tuple(qs))
+
+
+def iid_tree(g, root, k=2, depth=2):
+    tokens, parents, qs = [], [], []
+    frontier = [(-1, root)]
+    for _ in range(depth):
+        nxt = []
+        for parent, last in frontier:
+            q = Q[last].float()
+            for x in torch.multinomial(q, k, replacement=True, generator=g).tolist():
+                nxt.append((len(tokens), x))
+                tokens.append(x), parents.append(parent), qs.append(SparseDist.from_probs(q))
+        frontier = nxt
+    return TokenTree(tuple(tokens), tuple(parents), node_q=tuple(qs))
+
+
+def topk_tree(g, root):
+    """Deterministic: the draft's top-2 children of the root, top-1 child under each (q one-hot)."""
+    first = Q[root].topk(2).indices.tolist()
+    tokens, parents = list(first), [-1, -1]
+    for i, x in enumerate(first):
+        tokens.append(int(Q[x].argmax())), parents.append(i)
+    return TokenTree(tuple(tokens), tuple(parents))
+
+
+def ngram_chain(g, root):
+    return TokenTree.chain([1, 2, 3])
+
+
+def run_pairs(target, proposal, n, seed=0, root=0):
+    """Generate two tokens per trial through rounds of propose -> accept; count (t1, t2)."""
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(V, V, dtype=torch.float64)
+    for _ in range(n):
+        out, last = [], root
+        while len(out) < 2:
+            tree = proposal(g, last)
+            rows = [last] + [tree.token_ids[i] for i in range(len(tree))]
+            p = target[rows].float()  # [N+1, V] the Markov target after each row's token
+            verdict = accept_sampled(tree, p, tree.node_q, g)
+            out.extend(verdict.committed_token_ids)
+            last = out[-1]
+        counts[out[0], out[1]] += 1
+    return counts / n
+
+
+def tv(a, b):
+    return 0.5 * float((a - b).abs().sum())
+
+
+@pytest.mark.parametrize("proposal", [chain, iid_tree, topk_tree, ngram_chain])
+def test_output_distribution_converges_to_target(proposal):
+    exact = exact_pair(P, 0)
+    small = tv(run_pairs(P, proposal, 300, seed=1), exact)
+    large = tv(run_pairs(P, proposal, 6000, seed=2), exact)
+    random_dist = torch.rand(V, V, generator=torch.Generator().manual_seed(3)).double()
+    random_dist /= random_dist.sum()
+    assert large < 0.05, large
+    assert large < small  # shrinking with samples
+    assert tv(run_pairs(P, proposal, 6000, seed=2), random_dist) > 4 * large  # far from other distributions
+
+
+def test_draft_equal_to_target_accepts_everything():
+    global Q
+    saved, Q = Q, P
+    try:
+        g = torch.Generator().manual_seed(0)
+        accepted = 0
+        for _ in range(300):
+            tree = chain(g, 0, depth=3)
+            rows = [0] + list(tree.token_ids)
+            verdict = accept_sampled(tree, P[rows].float(), tree.node_q, g)
+            accepted += len(verdict.accepted_nodes)
+        assert accepted == 900  # p == q: min(1, p/q) = 1 for every token
+    finally:
+        Q = saved
+
+
+def test_masked_tokens_are_never_emitted():
+    logits = torch.tensor([[3.0, 2.5, 2.0, 0.1, -1.0]])
+    params = SamplingParams(temperature=0.7, top_k=3, top_p=0.8)
+    p = distribution(logits, params)[0]
+    allowed = set(p.nonzero().flatten().tolist())
+    assert allowed and allowed <= {0, 1, 2}
+    target = p.double().expand(V, V).clone()  # same distribution after every token
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2000):
+        tree = chain(g, 0, depth=2)  # the draft proposes any token, masked ones included
+        rows = [0] + list(tree.token_ids)
+        verdict = accept_sampled(tree, target[rows].float(), tree.node_q, g)
+        assert set(verdict.committed_token_ids) <= allowed
+
+
+def test_distribution_top_k_top_p_temperature():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    assert torch.allclose(distribution(logits, SamplingParams(temperature=1.0)), logits.softmax(-1))
+    assert torch.allclose(distribution(logits, SamplingParams(temperature=0.5)), (logits / 0.5).softmax(-1))
+    top2 = distribution(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert top2[0, 2:].sum() == 0 and torch.isclose(top2.sum(), torch.tensor(1.0))
+    # top-p keeps the smallest prefix whose mass reaches p: here the first token alone has 0.64
+    top_p = distribution(logits, SamplingParams(temperature=1.0, top_p=0.6))
+    assert top_p[0].tolist() == [1.0, 0.0, 0.0, 0.0]
+    top_p = distribution(logits, SamplingParams(temperature=1.0, top_p=0.7))
+    assert (top_p[0] > 0).tolist() == [True, True, False, False]
+
+
+def test_one_hot_target_is_greedy():
+    """At the greedy limit (p one-hot at the argmax) sampling acceptance is greedy acceptance."""
+    g = torch.Generator().manual_seed(0)
+    tree = TokenTree((5 % V, 1, 2, 3), (-1, -1, 1, 2))
+    for argmax in itertools.product(range(V), repeat=len(tree) + 1):
+        p = torch.nn.functional.one_hot(torch.tensor(argmax), V).float()
+        assert accept_sampled(tree, p, (), g) == accept_greedy(tree, list(argmax))
+
+
+def test_deterministic_when_seeded():
+    def once():
+        g = torch.Generator().manual_seed(42)
+        return [accept_sampled(chain(g, 0), P[[0, 1, 2, 3]].float(), chain(g, 0).node_q, g).committed_token_ids
+                for _ in range(50)]
+
+    assert once() == once()
+
+
+def test_q_used_is_the_q_sampled_from():
+    """A draft that samples from a truncated q but claims the full distribution is biased; the exact q is not."""
+    def truncated(g, root):
+        q = distribution(torch.log(Q[root]).float()[None], SamplingParams(temperature=1.0, top_k=2))[0]
+        x = int(torch.multinomial(q, 1, generator=g))
+        return TokenTree((x,), (-1,), node_q=(SparseDist.from_probs(q),))
+
+    def mislabelled(g, root):
+        tree = truncated(g, root)
+        return TokenTree(tree.token_ids, tree.parents, node_q=(SparseDist.from_probs(Q[root].float()),))
+
+    exact = exact_pair(P, 0)
+    honest = tv(run_pairs(P, truncated, 6000, seed=5), exact)
+    wrong = tv(run_pairs(P, mislabelled, 6000, seed=5), exact)
+    assert honest < 0.05 and wrong > 2 * honest
