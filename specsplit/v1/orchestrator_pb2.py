@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specsplit.v1 import common_pb2 as specsplit_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fspecsplit/v1/orchestrator.proto\x12\x0cspecsplit.v1\x1a\x19specsplit/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x93\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.specsplit.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x18\n\x10no_chat_template\x18\x04 \x01(\x08\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\r\n\x05\x64raft\x18\x08 \x01(\t\x12\x12\n\nsession_id\x18\t \x01(\tB\x11\n\x0f_max_new_tokens\"\x9e\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\'\n\x05stats\x18\x03 \x01(\x0b\x32\x18.specsplit.v1.RoundStats\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12\x15\n\rfinish_reason\x18\x06 \x01(\t2_\n\x13OrchestratorService\x12H\n\x08Generate\x12\x1d.specsplit.v1.GenerateRequest\x1a\x1b.specsplit.v1.GenerateChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fspecsplit/v1/orchestrator.proto\x12\x0cspecsplit.v1\x1a\x19specsplit/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xdc\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.specsplit.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x18\n\x10no_chat_template\x18\x04 \x01(\x08\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\r\n\x05\x64raft\x18\x08 \x01(\t\x12\x12\n\nsession_id\x18\t \x01(\t\x12\x11\n\tresumable\x18\n \x01(\x08\x12\x19\n\x11resume_session_id\x18\x0b \x01(\t\x12\x19\n\x11resume_from_token\x18\x0c \x01(\rB\x11\n\x0f_max_new_tokens\"#\n\rCancelRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\x9e\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\'\n\x05stats\x18\x03 \x01(\x0b\x32\x18.specsplit.v1.RoundStats\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\x05\x12\x15\n\rfinish_reason\x18\x06 \x01(\t2\xa4\x01\n\x13OrchestratorService\x12H\n\x08Generate\x12\x1d.specsplit.v1.GenerateRequest\x1a\x1b.specsplit.v1.GenerateChunk0\x01\x12\x43\n\x06\x43\x61ncel\x12\x1b.specsplit.v1.CancelRequest\x1a\x1c.specsplit.v1.CancelResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,9 +35,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=76
   _globals['_CHATMESSAGE']._serialized_end=120
   _globals['_GENERATEREQUEST']._serialized_start=123
-  _globals['_GENERATEREQUEST']._serialized_end=398
-  _globals['_GENERATECHUNK']._serialized_start=401
-  _globals['_GENERATECHUNK']._serialized_end=559
-  _globals['_ORCHESTRATORSERVICE']._serialized_start=561
-  _globals['_ORCHESTRATORSERVICE']._serialized_end=656
+  _globals['_GENERATEREQUEST']._serialized_end=471
+  _globals['_CANCELREQUEST']._serialized_start=473
+  _globals['_CANCELREQUEST']._serialized_end=508
+  _globals['_CANCELRESPONSE']._serialized_start=510
+  _globals['_CANCELRESPONSE']._serialized_end=545
+  _globals['_GENERATECHUNK']._serialized_start=548
+  _globals['_GENERATECHUNK']._serialized_end=706
+  _globals['_ORCHESTRATORSERVICE']._serialized_start=709
+  _globals['_ORCHESTRATORSERVICE']._serialized_end=873
 # @@protoc_insertion_point(module_scope)

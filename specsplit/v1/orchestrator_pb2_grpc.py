@@ -40,6 +40,11 @@ class OrchestratorServiceStub:
                 request_serializer=specsplit_dot_v1_dot_orchestrator__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=specsplit_dot_v1_dot_orchestrator__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.Cancel = channel.unary_unary(
+                '/specsplit.v1.OrchestratorService/Cancel',
+                request_serializer=specsplit_dot_v1_dot_orchestrator__pb2.CancelRequest.SerializeToString,
+                response_deserializer=specsplit_dot_v1_dot_orchestrator__pb2.CancelResponse.FromString,
+                _registered_method=True)
 
 
 class OrchestratorServiceServicer:
@@ -52,6 +57,14 @@ class OrchestratorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Cancel(self, request, context):
+        """Stop a session wherever it runs and free its state (a resumable session is not cancelled by a
+        dropped stream: it waits, detached, for its client to resume it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OrchestratorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +72,11 @@ def add_OrchestratorServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=specsplit_dot_v1_dot_orchestrator__pb2.GenerateRequest.FromString,
                     response_serializer=specsplit_dot_v1_dot_orchestrator__pb2.GenerateChunk.SerializeToString,
+            ),
+            'Cancel': grpc.unary_unary_rpc_method_handler(
+                    servicer.Cancel,
+                    request_deserializer=specsplit_dot_v1_dot_orchestrator__pb2.CancelRequest.FromString,
+                    response_serializer=specsplit_dot_v1_dot_orchestrator__pb2.CancelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -89,6 +107,33 @@ class OrchestratorService:
             '/specsplit.v1.OrchestratorService/Generate',
             specsplit_dot_v1_dot_orchestrator__pb2.GenerateRequest.SerializeToString,
             specsplit_dot_v1_dot_orchestrator__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Cancel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specsplit.v1.OrchestratorService/Cancel',
+            specsplit_dot_v1_dot_orchestrator__pb2.CancelRequest.SerializeToString,
+            specsplit_dot_v1_dot_orchestrator__pb2.CancelResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -12,7 +12,7 @@ class VerifierInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierInfoResponse(_message.Message):
-    __slots__ = ("model", "tokenizer_fingerprint", "vocab_size", "max_context", "max_tree_nodes", "eos_token_ids", "device", "dtype")
+    __slots__ = ("model", "tokenizer_fingerprint", "vocab_size", "max_context", "max_tree_nodes", "eos_token_ids", "device", "dtype", "num_sessions")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class VerifierInfoResponse(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     model: str
     tokenizer_fingerprint: str
     vocab_size: int
@@ -29,7 +30,8 @@ class VerifierInfoResponse(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     device: str
     dtype: str
-    def __init__(self, model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    num_sessions: int
+    def __init__(self, model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_sessions: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("session_id", "prompt_token_ids", "sampling")
@@ -86,3 +88,33 @@ class ReleaseResponse(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class ExportSessionRequest(_message.Message):
+    __slots__ = ("session_id", "expected_committed_length", "dtype")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    expected_committed_length: int
+    dtype: str
+    def __init__(self, session_id: _Optional[str] = ..., expected_committed_length: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class KvChunk(_message.Message):
+    __slots__ = ("session_id", "token_ids", "sampling", "data")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    data: bytes
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ImportSessionResponse(_message.Message):
+    __slots__ = ("committed_length", "import_ms")
+    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    IMPORT_MS_FIELD_NUMBER: _ClassVar[int]
+    committed_length: int
+    import_ms: float
+    def __init__(self, committed_length: _Optional[int] = ..., import_ms: _Optional[float] = ...) -> None: ...

@@ -55,6 +55,16 @@ class VerifierServiceStub:
                 request_serializer=specsplit_dot_v1_dot_verifier__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=specsplit_dot_v1_dot_verifier__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.ExportSession = channel.unary_stream(
+                '/specsplit.v1.VerifierService/ExportSession',
+                request_serializer=specsplit_dot_v1_dot_verifier__pb2.ExportSessionRequest.SerializeToString,
+                response_deserializer=specsplit_dot_v1_dot_verifier__pb2.KvChunk.FromString,
+                _registered_method=True)
+        self.ImportSession = channel.stream_unary(
+                '/specsplit.v1.VerifierService/ImportSession',
+                request_serializer=specsplit_dot_v1_dot_verifier__pb2.KvChunk.SerializeToString,
+                response_deserializer=specsplit_dot_v1_dot_verifier__pb2.ImportSessionResponse.FromString,
+                _registered_method=True)
 
 
 class VerifierServiceServicer:
@@ -85,6 +95,19 @@ class VerifierServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportSession(self, request, context):
+        """KV offload: a session's cache as a stream of byte chunks, and back (on any replica, no prefill).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportSession(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +130,16 @@ def add_VerifierServiceServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=specsplit_dot_v1_dot_verifier__pb2.ReleaseRequest.FromString,
                     response_serializer=specsplit_dot_v1_dot_verifier__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'ExportSession': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportSession,
+                    request_deserializer=specsplit_dot_v1_dot_verifier__pb2.ExportSessionRequest.FromString,
+                    response_serializer=specsplit_dot_v1_dot_verifier__pb2.KvChunk.SerializeToString,
+            ),
+            'ImportSession': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportSession,
+                    request_deserializer=specsplit_dot_v1_dot_verifier__pb2.KvChunk.FromString,
+                    response_serializer=specsplit_dot_v1_dot_verifier__pb2.ImportSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -218,6 +251,60 @@ class VerifierService:
             '/specsplit.v1.VerifierService/Release',
             specsplit_dot_v1_dot_verifier__pb2.ReleaseRequest.SerializeToString,
             specsplit_dot_v1_dot_verifier__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/specsplit.v1.VerifierService/ExportSession',
+            specsplit_dot_v1_dot_verifier__pb2.ExportSessionRequest.SerializeToString,
+            specsplit_dot_v1_dot_verifier__pb2.KvChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/specsplit.v1.VerifierService/ImportSession',
+            specsplit_dot_v1_dot_verifier__pb2.KvChunk.SerializeToString,
+            specsplit_dot_v1_dot_verifier__pb2.ImportSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
