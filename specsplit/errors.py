@@ -26,3 +26,15 @@ class ResourceExhausted(SpecSplitError):
 
 class Unavailable(SpecSplitError):
     code_name = "UNAVAILABLE"
+
+
+class StaleRound(FailedPrecondition):
+    """A session-store write lost a compare-and-set on the session's round: someone wrote newer state.
+
+    The writer must reload the session and retry from that fresh state (or give the session up)."""
+
+    def __init__(self, session_id: str, expected_round: int, stored_round: int):
+        self.session_id, self.expected_round, self.stored_round = session_id, expected_round, stored_round
+        super().__init__(f"session {session_id!r} is at round {stored_round}, this write expected round "
+                         f"{expected_round}: another writer committed first (a stale orchestrator or a retried "
+                         "request); reload the session and retry from its current state")
