@@ -16,7 +16,7 @@ from specsplit import kvcache
 from specsplit.config import DraftConfig
 from specsplit.models import LoadedModel
 from specsplit.runner import ModelRunner
-from specsplit.sampling import SamplingParams, distribution
+from specsplit.sampling import SamplingParams, distribution, round_seed
 from specsplit.tree import SparseDist, TokenTree
 
 
@@ -161,6 +161,8 @@ class ModelProposer:
         session = self._sessions[session_id]
         if max_nodes <= 0:
             return TokenTree.empty()
+        if session.generator is not None and session.sampling.seed is not None:  # same draws on any restart
+            session.generator.manual_seed(round_seed(session.sampling.seed + 1, len(token_ids)))
         logits = self._catch_up(session, token_ids)[-1:]  # [1, V] after the root (last committed token)
         committed = len(token_ids)
         sampled = not session.sampling.greedy

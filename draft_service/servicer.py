@@ -5,13 +5,15 @@ from __future__ import annotations
 from draft_service.drafter import Drafter
 from specsplit.rpc import sampling_from_pb, tree_to_pb
 from specsplit.serving import grpc_errors
+from specsplit.sweep import IdleSweeper
 from specsplit.v1 import draft_pb2, draft_pb2_grpc
 
 
 class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, drafter: Drafter, model_name: str = ""):
+    def __init__(self, drafter: Drafter, model_name: str = "", idle_timeout_s: float = 300.0):
         self.drafter = drafter
         self.model_name = model_name
+        self.sweeper = IdleSweeper(drafter.end, idle_timeout_s)  # sessions whose orchestrator vanished
 
     @grpc_errors
     def GetInfo(self, request, context):
@@ -26,10 +28,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def StartSession(self, request, context):
         self.drafter.start(request.session_id, list(request.prompt_token_ids), request.tokenizer_fingerprint,
                            sampling_from_pb(request.sampling))
+        self.sweeper.touch(request.session_id)
         return draft_pb2.StartSessionResponse()
 
     @grpc_errors
     def Propose(self, request, context):
+        self.sweeper.touch(request.session_id)
         tree, draft_ms = self.drafter.propose(
             request.session_id, list(request.new_token_ids), request.committed_length, request.max_nodes
         )
@@ -37,6 +41,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
 
     @grpc_errors
     def EndSession(self, request, context):
+        self.sweeper.forget(request.session_id)
         self.drafter.end(request.session_id)
         return draft_pb2.EndSessionResponse()
 

@@ -10,6 +10,7 @@ class VerifierConfig:
     max_tree_nodes: int = 64  # a 64-node tree costs ~3.6x a 1-token forward on CPU; bigger never pays there
     max_sessions: int = 256  # each session holds a KV cache; past this, Prefill answers RESOURCE_EXHAUSTED
     max_context: int = 0  # 0: the model's max_position_embeddings
+    idle_timeout_s: float = 300.0  # a session untouched this long lost its orchestrator: free its KV cache
 
 
 @dataclass
@@ -21,6 +22,7 @@ class DraftConfig:
     model_top_k: int = 2  # children per expanded node in the model drafter's tree
     model_depth: int = 6  # draft forwards per tree
     q_top_k: int = 32  # a sampling draft draws from its top 32 tokens: q travels as at most 32 (id, prob) pairs
+    idle_timeout_s: float = 300.0  # a session untouched this long lost its orchestrator: forget it
 
 
 @dataclass
@@ -31,6 +33,10 @@ class OrchestratorConfig:
     verify_timeout_s: float = 60.0  # a big tree on a busy CPU verifier can take seconds
     prefill_timeout_s: float = 300.0  # long prompts on CPU
     draft_retry_rounds: int = 32  # after a draft failure, target-only rounds before trying the draft again
+    health_interval_s: float = 1.0  # grpc.health.v1 checks of verifier replicas (a failed call also marks one down)
+    offload_idle: bool = True  # a detached session's KV cache moves to the session store, freeing the replica
+    offload_min_tokens: int = 256  # below this, re-prefill is about as fast as a restore: not worth the bytes
+    offload_dtype: str = ""  # "" keeps the cache's dtype (token-identical); "float16" halves an fp32 blob
 
     def default_new_tokens(self) -> int:
         return min(self.default_max_new_tokens, self.max_new_tokens_limit)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specsplit.accept import Verdict
 from specsplit.serving import open_channel
@@ -14,6 +15,9 @@ from specsplit.sampling import SamplingParams
 from specsplit.stream import Chunk, RoundStats
 from specsplit.tree import SparseDist, TokenTree
 from specsplit.v1 import common_pb2, draft_pb2, draft_pb2_grpc, orchestrator_pb2, verifier_pb2, verifier_pb2_grpc
+
+KV_CHUNK = 1 << 20  # an imported KV cache travels in 1 MiB pieces
+VERIFIER_SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name
 
 
 def tree_to_pb(tree: TokenTree) -> common_pb2.TokenTree:
@@ -84,7 +88,7 @@ def chunk_to_pb(chunk: Chunk) -> orchestrator_pb2.GenerateChunk:
 
 
 def generate_request_to_pb(prompt, messages, prompt_token_ids, max_new_tokens, temperature, top_k, top_p, seed,
-                           stop, draft, chat_template, session_id) -> orchestrator_pb2.GenerateRequest:
+                           stop, draft, chat_template, session_id, resumable=False) -> orchestrator_pb2.GenerateRequest:
     sampling = sampling_to_pb(SamplingParams(temperature, top_k, top_p, seed))
     msg = orchestrator_pb2.GenerateRequest(
         prompt=prompt or "",
@@ -95,6 +99,7 @@ def generate_request_to_pb(prompt, messages, prompt_token_ids, max_new_tokens, t
         stop=list(stop),
         draft=draft,
         session_id=session_id,
+        resumable=resumable,
     )
     if max_new_tokens is not None:
         msg.max_new_tokens = max_new_tokens
@@ -119,6 +124,7 @@ class VerifierInfo:
     max_context: int
     max_tree_nodes: int
     eos_token_ids: tuple[int, ...]
+    num_sessions: int = 0  # sessions holding a KV cache there when asked
 
 
 @dataclass(frozen=True)
@@ -134,11 +140,20 @@ class RemoteVerifier:
         self.address = address
         self.channel = open_channel(address)
         self.stub = verifier_pb2_grpc.VerifierServiceStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
     def info(self, timeout: float) -> VerifierInfo:
         r = self.stub.GetInfo(verifier_pb2.VerifierInfoRequest(), timeout=timeout)
         return VerifierInfo(r.model, r.tokenizer_fingerprint, r.vocab_size, r.max_context, r.max_tree_nodes,
-                            tuple(r.eos_token_ids))
+                            tuple(r.eos_token_ids), r.num_sessions)
+
+    def healthy(self, timeout: float) -> bool:
+        """grpc.health.v1 says the verifier service is SERVING."""
+        try:
+            r = self.health_stub.Check(health_pb2.HealthCheckRequest(service=VERIFIER_SERVICE), timeout=timeout)
+        except grpc.RpcError:
+            return False
+        return r.status == health_pb2.HealthCheckResponse.SERVING
 
     def prefill(self, session_id: str, prompt_token_ids: list[int], timeout: float,
                 sampling: SamplingParams | None = None) -> int:
@@ -158,6 +173,22 @@ class RemoteVerifier:
 
     def release(self, session_id: str, timeout: float) -> bool:
         return self.stub.Release(verifier_pb2.ReleaseRequest(session_id=session_id), timeout=timeout).released
+
+    def export_session(self, session_id: str, expected_committed_length: int, timeout: float, dtype: str = "") -> bytes:
+        chunks = self.stub.ExportSession(
+            verifier_pb2.ExportSessionRequest(session_id=session_id, expected_committed_length=expected_committed_length,
+                                              dtype=dtype), timeout=timeout)
+        return b"".join(chunk.data for chunk in chunks)
+
+    def import_session(self, session_id: str, token_ids: list[int], blob: bytes, timeout: float,
+                       sampling: SamplingParams | None = None) -> int:
+        def chunks():
+            yield verifier_pb2.KvChunk(session_id=session_id, token_ids=token_ids,
+                                       sampling=sampling_to_pb(sampling or SamplingParams()), data=blob[:KV_CHUNK])
+            for start in range(KV_CHUNK, len(blob), KV_CHUNK):
+                yield verifier_pb2.KvChunk(data=blob[start:start + KV_CHUNK])
+
+        return self.stub.ImportSession(chunks(), timeout=timeout).committed_length
 
     def close(self) -> None:
         self.channel.close()

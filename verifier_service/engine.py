@@ -20,9 +20,10 @@ from specsplit.accept import Verdict, accept_greedy
 from specsplit.config import VerifierConfig
 from specsplit.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from specsplit.models import LoadedModel
-from specsplit.sampling import SamplingParams, accept_sampled, distribution
+from specsplit.sampling import SamplingParams, accept_sampled, distribution, round_seed
 from specsplit.runner import ModelRunner
 from specsplit.tree import TokenTree, build_buffers, full_attention_mask
+from verifier_service import offload
 
 tracer = trace.get_tracer(__name__)
 
@@ -165,6 +166,8 @@ class TargetEngine:
             target_token_ids = logits[0].argmax(dim=-1).tolist()  # [N+1]
             verdict = accept_greedy(tree, target_token_ids, max_commit)
         else:
+            if session.sampling.seed is not None:  # per-round draws: another replica would draw the same
+                session.generator.manual_seed(round_seed(session.sampling.seed, session.committed_length))
             p = distribution(logits[0], session.sampling).cpu()  # [N+1, V]
             verdict = accept_sampled(tree, p, tree.node_q, session.generator, max_commit)
         kvcache.compact(session.cache, prefix_len, verdict.rows_to_keep)
@@ -174,6 +177,31 @@ class TargetEngine:
     def release(self, session_id: str) -> bool:
         with self._sessions_lock:
             return self._sessions.pop(session_id, None) is not None
+
+    def export_session(self, session_id: str, expected_committed_length: int, dtype: str = "") -> bytes:
+        """The session's KV cache as bytes (``verifier_service.offload``); the session stays here."""
+        session = self.session(session_id)
+        with session.lock:
+            if expected_committed_length != session.committed_length:
+                raise FailedPrecondition(f"session {session_id!r} has {session.committed_length} committed tokens, "
+                                         f"the export expected {expected_committed_length}")
+            return self._runner(offload.cache_to_bytes, session.cache, dtype or None)
+
+    def import_session(self, session_id: str, token_ids: list[int], blob: bytes,
+                       sampling: SamplingParams | None = None) -> tuple[int, float]:
+        """A session from an exported cache: like Prefill of ``token_ids``, without the forward."""
+        start = time.perf_counter()
+        if len(token_ids) >= self.max_context or any(not 0 <= t < self.vocab_size for t in token_ids):
+            raise InvalidArgument(f"imported tokens must be {self.max_context - 1} at most, each in [0, {self.vocab_size})")
+        if offload.cached_length(blob) != len(token_ids) - 1:
+            raise InvalidArgument(f"KV blob caches {offload.cached_length(blob)} positions; {len(token_ids)} committed "
+                                  f"tokens need {len(token_ids) - 1} (all but the pending one)")
+        cache = self._runner(offload.cache_from_bytes, blob, kvcache.new_cache(self.model), self.device, self.dtype)
+        self.prefill(session_id, token_ids[:1], sampling)  # registers the session (checks, capacity); no forward
+        session = self.session(session_id)
+        with session.lock:
+            session.cache, session.token_ids = cache, list(token_ids)
+        return session.committed_length, (time.perf_counter() - start) * 1e3
 
 
 def _generator(sampling: SamplingParams) -> torch.Generator | None:

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+from specsplit.errors import InvalidArgument
 from specsplit.rpc import sampling_from_pb, tree_from_pb, verdict_to_pb
 from specsplit.serving import grpc_errors
+from specsplit.sweep import IdleSweeper
 from specsplit.v1 import verifier_pb2, verifier_pb2_grpc
 from verifier_service.engine import TargetEngine
+
+KV_CHUNK_BYTES = 1 << 20  # an exported cache travels in 1 MiB pieces, far below any message limit
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
     def __init__(self, engine: TargetEngine):
         self.engine = engine
+        # Sessions whose orchestrator vanished (killed mid-generation) are freed after idle_timeout_s.
+        self.sweeper = IdleSweeper(engine.release, engine.config.idle_timeout_s)
 
     @grpc_errors
     def GetInfo(self, request, context):
@@ -24,24 +30,47 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             eos_token_ids=e.eos_token_ids,
             device=str(e.device),
             dtype=str(e.dtype).removeprefix("torch."),
+            num_sessions=e.num_sessions(),
         )
 
     @grpc_errors
     def Prefill(self, request, context):
         committed_length, prefill_ms = self.engine.prefill(request.session_id, list(request.prompt_token_ids),
                                                            sampling_from_pb(request.sampling))
+        self.sweeper.touch(request.session_id)
         return verifier_pb2.PrefillResponse(committed_length=committed_length, prefill_ms=prefill_ms)
 
     @grpc_errors
     def Verify(self, request, context):
+        self.sweeper.touch(request.session_id)
         result = self.engine.verify(
             request.session_id, tree_from_pb(request.tree), request.expected_committed_length, request.max_commit
         )
+        self.sweeper.touch(request.session_id)
         return verdict_to_pb(result.verdict, result.committed_length, result.verify_ms)
 
     @grpc_errors
     def Release(self, request, context):
+        self.sweeper.forget(request.session_id)
         return verifier_pb2.ReleaseResponse(released=self.engine.release(request.session_id))
+
+    @grpc_errors
+    def ExportSession(self, request, context):
+        self.sweeper.touch(request.session_id)
+        blob = self.engine.export_session(request.session_id, request.expected_committed_length, request.dtype)
+        for start in range(0, max(len(blob), 1), KV_CHUNK_BYTES):
+            yield verifier_pb2.KvChunk(data=blob[start:start + KV_CHUNK_BYTES])
+
+    @grpc_errors
+    def ImportSession(self, request_iterator, context):
+        first = next(request_iterator, None)
+        if first is None or not first.session_id:
+            raise InvalidArgument("ImportSession: the first chunk must name the session and its committed tokens")
+        blob = b"".join([first.data, *(chunk.data for chunk in request_iterator)])
+        committed_length, import_ms = self.engine.import_session(first.session_id, list(first.token_ids), blob,
+                                                                 sampling_from_pb(first.sampling))
+        self.sweeper.touch(first.session_id)
+        return verifier_pb2.ImportSessionResponse(committed_length=committed_length, import_ms=import_ms)
 
 
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["VerifierService"].full_name
