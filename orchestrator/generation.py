@@ -1,26 +1,33 @@
-"""The orchestrator's loop: propose -> verify -> accept -> stream, with fallback to target-only decoding.
+"""The orchestrator's loop: propose -> verify -> accept -> commit -> stream, with failover and resume.
 
-It talks to a verifier and to draft services through the typed adapters in ``specsplit.rpc`` (or any
-object with the same methods), and never sees protobuf.
+Each round ends with a compare-and-set write of the session's state to the session store (the round
+number is the fencing token) *before* its tokens are streamed. A client whose orchestrator died
+resumes on any orchestrator sharing the store, saying how many generated tokens it has; the stream
+continues from there, so no token is lost and none is repeated. A verifier replica that dies moves its
+sessions to another replica (``orchestrator.placement``). The loop talks to services through the typed
+adapters in ``specsplit.rpc`` and never sees protobuf.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
-from orchestrator.controller import BudgetController
 from orchestrator.detok import TextStream
+from orchestrator.placement import KvPlacement
+from orchestrator.replicas import ReplicaSet
+from orchestrator.session import LiveSession, controller_from_state, text_stream_at
 from specsplit.config import OrchestratorConfig
-from specsplit.errors import FailedPrecondition, InvalidArgument
+from specsplit.errors import FailedPrecondition, InvalidArgument, NotFound, SpecSplitError, StaleRound, Unavailable
 from specsplit.rpc import DraftInfo, RpcError, VerifierInfo
 from specsplit.sampling import SamplingParams
+from specsplit.store import CANCELLED, DETACHED, FINISHED, RUNNING, TERMINAL, InMemoryStore, SessionState, update
 from specsplit.stream import Chunk, RoundStats
 from specsplit.tree import TokenTree
 
@@ -38,23 +45,47 @@ class GenerationRequest:
     draft: str = "auto"
     session_id: str = ""
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    resumable: bool = False  # a dropped stream detaches the session (resumable) instead of cancelling it
+    resume_session_id: str = ""  # continue this stored session instead of starting one
+    resume_from_token: int = 0  # generated tokens the resuming client already has
+
+
+class _CancelledElsewhere(Exception):
+    """A Cancel call (possibly on another orchestrator) cancelled the session between two rounds."""
 
 
 class Orchestrator:
-    def __init__(self, verifier, drafts: list, tokenizer, config: OrchestratorConfig | None = None):
-        """verifier: a RemoteVerifier; drafts: RemoteDraft objects, in "auto" preference order."""
-        self.verifier = verifier
-        self.tokenizer = tokenizer
+    def __init__(self, verifiers, drafts: list, tokenizer, config: OrchestratorConfig | None = None, store=None):
+        """verifiers: RemoteVerifier replicas (or one); drafts: RemoteDraft objects in "auto" preference
+        order; store: a SessionStore (default: an in-process one)."""
         self.config = config or OrchestratorConfig()
+        self.replicas = ReplicaSet(list(verifiers) if isinstance(verifiers, (list, tuple)) else [verifiers],
+                                   self.config.health_interval_s)
+        self.store = store if store is not None else InMemoryStore()
+        self.placement = KvPlacement(self.replicas, self.store, self.config)
+        self.tokenizer = tokenizer
+        self.instance = uuid.uuid4().hex[:12]
         self._verifier_info: VerifierInfo | None = None
         self.drafts = list(drafts)
         self._draft_info: dict[int, DraftInfo] = {}
+        self._live: dict[str, LiveSession] = {}  # sessions this process is generating now
+
+    def close(self) -> None:
+        self.replicas.close()
 
     # -- setup ---------------------------------------------------------------------------------------
     @property
     def verifier_info(self) -> VerifierInfo:
         if self._verifier_info is None:
-            self._verifier_info = self.verifier.info(timeout=self.config.draft_timeout_s * 5)
+            errors = []
+            for replica in self.replicas:
+                try:
+                    self._verifier_info = replica.client.info(timeout=self.config.draft_timeout_s * 5)
+                    break
+                except RpcError as err:
+                    errors.append(f"{replica.address}: {err.code().name}")
+            else:
+                raise Unavailable(f"no verifier replica answered ({'; '.join(errors)}); retry later")
         return self._verifier_info
 
     def draft_names(self) -> list[str]:
@@ -124,105 +155,247 @@ class Orchestrator:
                                   f"{self.config.max_new_tokens_limit}")
         request.sampling.validate()
 
+    # -- starting, resuming, settling -------------------------------------------------------------------
+    def _start(self, request: GenerationRequest) -> LiveSession:
+        self.validate(request)
+        info = self.verifier_info
+        draft = self.pick_draft(request.draft)
+        seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
+        state = SessionState(
+            session_id=request.session_id or uuid.uuid4().hex, prompt_token_ids=list(request.prompt_token_ids),
+            max_new_tokens=min(request.max_new_tokens, info.max_context - len(request.prompt_token_ids)),
+            sampling=request.sampling, seed=seed, stop=list(request.stop), draft=request.draft, round=1,
+            resumable=request.resumable, owner=self.instance)
+        session = LiveSession(state, draft, controller_from_state(state, self._max_nodes(draft)),
+                              TextStream(self.tokenizer, list(request.stop)), owned=True)
+        session.save_controller()
+        self.store.create(state)  # a taken session id is refused here
+        try:
+            with tracer.start_as_current_span("specsplit.orchestrator.prefill"):
+                self.placement.restore(session, fresh=True)
+            self._commit(session)  # the store now names the replica holding the cache
+        except BaseException:
+            self.placement.release(session)
+            self.store.delete(state.session_id)
+            raise
+        return session
+
+    def _resume(self, request: GenerationRequest) -> LiveSession:
+        session_id, client_has = request.resume_session_id, request.resume_from_token
+        state = self.store.load(session_id)
+        if state is None:
+            raise NotFound(f"session {session_id!r} is not in the session store: it never started, or it ended or "
+                           "expired too long ago; start a new generation")
+        owned = state.status not in TERMINAL
+        draft = self.pick_draft(state.draft) if owned else None
+        session = LiveSession(state, draft, controller_from_state(state, self._max_nodes(draft)),
+                              text_stream_at(self.tokenizer, state, min(client_has, state.generated)), owned=owned)
+        if not owned:
+            return session  # finished or cancelled: only what the client is missing is sent
+        session.skip = max(0, client_has - state.generated)  # the store lost rounds the client had seen
+        state.status, state.owner, state.resumable = RUNNING, self.instance, True
+        try:
+            self._commit(session)  # the claim: a concurrent resume of the same session loses here
+        except (StaleRound, _CancelledElsewhere):
+            raise FailedPrecondition(f"session {session_id!r} was just resumed or cancelled by another request; "
+                                     "resume it again to continue from its current state") from None
+        self.placement.attach(session)
+        return session
+
+    def _settle(self, session: LiveSession) -> None:
+        """After the stream: free a finished or cancelled session everywhere; detach a resumable one."""
+        state = session.state
+        if not session.owned or session.lost:
+            return  # nothing of ours to free (a replay, or another request owns the session now)
+        self._end_draft(session)
+        if state.status not in TERMINAL and state.resumable and not (session.cancel.is_set() or session.failed):
+            # The client went away (or this process hit an error): keep everything for a resume.
+            self.placement.offload(session)
+            state.status = DETACHED
+        else:
+            self.placement.release(session)
+            self.store.drop_kv(session.id)
+            state.kv_length = 0
+            if state.status not in TERMINAL:
+                state.status, state.finish_reason = CANCELLED, "error" if session.failed else "cancelled"
+        if not session.committed_final:
+            try:
+                self._commit(session)
+            except (SpecSplitError, _CancelledElsewhere) as err:
+                log.info("final write of session %s skipped: %s", session.id, err)
+
+    def cancel(self, session_id: str) -> bool:
+        """Cancel a session wherever it runs (its orchestrator notices at its next commit) and free it."""
+        live = self._live.get(session_id)
+        if live is not None:
+            live.cancel.set()
+        cancelled = []
+
+        def mark(state: SessionState):
+            if state.status in TERMINAL:
+                return False
+            state.status, state.finish_reason = CANCELLED, "cancelled"
+            cancelled.append(state)
+
+        update(self.store, session_id, mark)
+        if cancelled:
+            if cancelled[-1].verifier:
+                self.placement.release_at(cancelled[-1].verifier, session_id)
+            self.store.drop_kv(session_id)
+        return bool(cancelled) or live is not None
+
+    def _commit(self, session: LiveSession) -> None:
+        state = session.state
+        state.round += 1
+        session.save_controller()
+        try:
+            self.store.commit(state)
+        except StaleRound:
+            fresh = self.store.load(session.id)
+            if fresh is not None and fresh.status == CANCELLED:
+                raise _CancelledElsewhere() from None
+            session.lost = True
+            raise
+        session.committed_final = state.status in TERMINAL or state.status == DETACHED
+
     # -- the loop ------------------------------------------------------------------------------------
     def generate(self, request: GenerationRequest, cancelled: threading.Event | None = None) -> Iterator[Chunk]:
-        self.validate(request)
+        """cancelled: set when the client's stream is gone."""
         cancelled = cancelled or threading.Event()
-        info = self.verifier_info
-        session_id = request.session_id or uuid.uuid4().hex
-        cfg = self.config
-        max_new = min(request.max_new_tokens, info.max_context - len(request.prompt_token_ids))
+        session = self._resume(request) if request.resume_session_id else self._start(request)
+        state, info = session.state, self.verifier_info
+        self._live[session.id] = session
         with tracer.start_as_current_span(f"specsplit.orchestrator.generate {info.model}") as span:
             span.set_attribute("gen_ai.operation.name", "generate")
             span.set_attribute("gen_ai.request.model", info.model)
-            span.set_attribute("gen_ai.request.max_tokens", request.max_new_tokens)
-            span.set_attribute("gen_ai.conversation.id", session_id)
-            span.set_attribute("gen_ai.usage.input_tokens", len(request.prompt_token_ids))
-            draft = self.pick_draft(request.draft)
-            self._prefill(session_id, request.prompt_token_ids, request.sampling)
-            session = _Session(session_id, list(request.prompt_token_ids), draft, request.sampling)
+            span.set_attribute("gen_ai.request.max_tokens", state.max_new_tokens)
+            span.set_attribute("gen_ai.conversation.id", session.id)
+            span.set_attribute("gen_ai.usage.input_tokens", len(state.prompt_token_ids))
+            span.set_attribute("specsplit.resumed", bool(request.resume_session_id))
             try:
-                if draft is not None:
+                if session.draft is not None:
                     self._start_draft(session)
-                yield Chunk("", [], session_id=session_id, prompt_token_ids=list(request.prompt_token_ids))
-                yield from self._rounds(session, request, max_new, cancelled, info)
+                yield Chunk("", [], session_id=session.id, prompt_token_ids=list(state.prompt_token_ids))
+                yield from self._replay(session, request.resume_from_token)
+                if state.status == RUNNING:
+                    yield from self._rounds(session, cancelled, info)
+            except (GeneratorExit, Unavailable, StaleRound):
+                raise  # the client left, or a transient outage: a resumable session stays resumable
+            except BaseException:
+                session.failed = True
+                raise
             finally:
-                span.set_attribute("gen_ai.usage.output_tokens", session.generated)
-                span.set_attribute("specsplit.rounds", session.round)
-                self._release(session)
+                self._live.pop(session.id, None)
+                self._settle(session)
+                span.set_attribute("gen_ai.usage.output_tokens", state.generated)
+                span.set_attribute("specsplit.rounds", state.round)
 
-    def _rounds(self, session, request, max_new, cancelled, info) -> Iterator[Chunk]:
-        stream = TextStream(self.tokenizer, list(request.stop))
-        controller = BudgetController(max_nodes=min(info.max_tree_nodes, self.config_max_nodes(session)),
-                                      deterministic=request.sampling.seed is not None)
+    def _replay(self, session: LiveSession, client_has: int) -> Iterator[Chunk]:
+        """Committed tokens a resuming client has not seen (and the finish, if the session ended)."""
+        state = session.state
+        missing = state.committed_token_ids[client_has:state.generated]
+        finish = state.finish_reason if state.status in TERMINAL else ""
+        if not missing and not finish:
+            return
+        kept, text, _ = session.stream.add(missing) if missing else ([], "", False)
+        if finish and finish != "stop":
+            text += session.stream.finish()
+        yield Chunk(text, kept, finish_reason=finish)
+
+    def _rounds(self, session: LiveSession, cancelled: threading.Event, info: VerifierInfo) -> Iterator[Chunk]:
+        state = session.state
         eos = set(info.eos_token_ids)
         while True:
-            if cancelled.is_set():
-                yield Chunk(stream.finish(), [], finish_reason="cancelled")
+            if session.cancel.is_set():
+                state.status, state.finish_reason = CANCELLED, "cancelled"
+                yield Chunk(session.stream.finish(), [], finish_reason="cancelled")
                 return
-            remaining = max_new - session.generated
+            if cancelled.is_set():
+                return  # the client is gone: _settle detaches (resumable) or cancels the session
+            remaining = state.max_new_tokens - state.generated
             with tracer.start_as_current_span("specsplit.orchestrator.round") as span:
-                session.round += 1
-                span.set_attribute("specsplit.round", session.round)
-                budget = controller.choose(remaining - 1) if session.draft_usable() else 0
+                span.set_attribute("specsplit.round", state.round + 1)
+                budget = session.controller.choose(remaining - 1) if session.draft_usable() else 0
                 tree, draft_ms = self._propose(session, budget)
-                verdict, verify_ms = self.verifier.verify(
-                    session.id, tree, len(session.token_ids), remaining, timeout=self.config.verify_timeout_s
-                )
+                verdict, verify_ms = self.placement.verify(session, tree, remaining)
                 committed = list(verdict.committed_token_ids)
-                controller.observe(len(tree), len(verdict.accepted_nodes), _branch_depth(tree, verdict), verify_ms,
-                                   draft_ms if tree else None)
-                session.token_ids.extend(committed)
-                session.unsent.extend(committed)
+                session.controller.observe(len(tree), len(verdict.accepted_nodes), _branch_depth(tree, verdict),
+                                           verify_ms, draft_ms if tree else None)
                 span.set_attribute("specsplit.num_draft_tokens", len(tree))
                 span.set_attribute("specsplit.num_accepted", len(verdict.accepted_nodes))
-            finish = ""
+            session.unsent.extend(committed)
+            state.committed_token_ids.extend(committed)
+            finish, visible = "", committed
             for i, token in enumerate(committed):
                 if token in eos:
-                    committed, finish = committed[: i + 1], "eos"
+                    visible, finish = committed[: i + 1], "eos"
                     break
-            kept, text, hit_stop = stream.add(committed)
+            hidden, kept, text, hit_stop = self._add_text(session, visible)
             if hit_stop:
                 finish = "stop"
-            session.generated += len(kept)
-            if not finish and session.generated >= max_new:
+            state.generated += len(hidden) + len(kept)
+            if not finish and state.generated >= state.max_new_tokens:
                 finish = "length"
             if finish:
-                text += stream.finish() if finish != "stop" else ""
-            stats = RoundStats(session.round, len(tree), len(verdict.accepted_nodes), len(kept), draft_ms or 0.0,
-                               verify_ms, session.drafter_name(self) if tree else "none", tree.depth)
-            yield Chunk(text, kept, stats=stats, finish_reason=finish)
+                text += session.stream.finish() if finish != "stop" else ""
+                state.status, state.finish_reason = FINISHED, finish
+            try:
+                self._commit(session)  # before streaming: a resuming client never misses a sent token
+            except _CancelledElsewhere:
+                state.status, state.finish_reason = CANCELLED, "cancelled"
+                yield Chunk("", [], finish_reason="cancelled")
+                return
+            stats = RoundStats(state.round, len(tree), len(verdict.accepted_nodes), len(kept), draft_ms or 0.0,
+                               verify_ms, self._drafter_name(session) if tree else "none", tree.depth)
+            if kept or text or finish:
+                yield Chunk(text, kept, stats=stats, finish_reason=finish)
             if finish:
                 return
 
-    def config_max_nodes(self, session) -> int:
+    @staticmethod
+    def _add_text(session: LiveSession, tokens: list[int]) -> tuple[list[int], list[int], str, bool]:
+        """Detokenize a round's tokens: (tokens the client already has, new tokens kept, new text, hit a stop)."""
+        hidden: list[int] = []
+        if session.skip:
+            hidden, _, hit = session.stream.add(tokens[: session.skip])
+            session.skip -= len(tokens[: session.skip])
+            tokens = tokens[len(hidden):]
+            if hit or not tokens:
+                return hidden, [], "", hit
+        kept, text, hit = session.stream.add(tokens)
+        return hidden, kept, text, hit
+
+    # -- drafts --------------------------------------------------------------------------------------
+    def _max_nodes(self, draft) -> int:
+        info = self._draft_info_of(draft) if draft is not None else None
+        draft_max = info.max_nodes if info is not None and info.max_nodes else 64
+        return min(self.verifier_info.max_tree_nodes, draft_max)
+
+    def _drafter_name(self, session: LiveSession) -> str:
         info = self._draft_info_of(session.draft) if session.draft is not None else None
-        return info.max_nodes if info is not None and info.max_nodes else 64
+        return info.drafter if info else "none"
 
-    def _prefill(self, session_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        with tracer.start_as_current_span("specsplit.orchestrator.prefill"):
-            self.verifier.prefill(session_id, prompt_token_ids, timeout=self.config.prefill_timeout_s,
-                                  sampling=sampling)
-
-    def _start_draft(self, session) -> None:
+    def _start_draft(self, session: LiveSession) -> None:
         try:
             session.draft.start(session.id, session.token_ids, self.verifier_info.tokenizer_fingerprint,
                                 timeout=self.config.draft_timeout_s, sampling=session.sampling)
             session.unsent = []
-            session.draft_down_until = 0
+            session.state.draft_down_until = 0
         except RpcError as err:
             if _is_refusal(err):
                 raise FailedPrecondition(f"draft service {session.draft.address} refused the session: {err.details()}") from None
             self._draft_failed(session, err)
 
-    def _propose(self, session, budget: int) -> tuple[TokenTree, float | None]:
+    def _propose(self, session: LiveSession, budget: int) -> tuple[TokenTree, float | None]:
+        state = session.state
         if session.draft is None:
             return TokenTree.empty(), None
-        if session.draft_down_until:
-            if session.round < session.draft_down_until:
+        if state.draft_down_until:
+            if state.round < state.draft_down_until:
                 return TokenTree.empty(), None
+            session.draft = self._draft_replica_after(session.draft)
             self._start_draft(session)  # the draft service may have restarted: start over from all tokens
-            if session.draft_down_until:
+            if state.draft_down_until:
                 return TokenTree.empty(), None
         if budget <= 0:
             return TokenTree.empty(), None  # no call: committed tokens travel with the next Propose
@@ -235,42 +408,25 @@ class Orchestrator:
         session.unsent = []
         return tree, draft_ms
 
-    def _draft_failed(self, session, err) -> None:
+    def _draft_replica_after(self, draft):
+        """The next draft service of the same kind (a replica), in configured order; itself if none."""
+        kind = self._draft_info.get(id(draft))
+        same = [d for d in self.drafts if kind is not None and self._draft_info.get(id(d)) == kind]
+        return same[(same.index(draft) + 1) % len(same)] if draft in same else draft
+
+    def _draft_failed(self, session: LiveSession, err) -> None:
         code = err.code() if hasattr(err, "code") else err
         log.warning("draft %s failed for session %s (%s); target-only decoding for %d rounds",
                     session.draft.address, session.id, code, self.config.draft_retry_rounds)
         trace.get_current_span().add_event("specsplit.draft_fallback", {"grpc.status": str(code)})
-        session.draft_down_until = session.round + self.config.draft_retry_rounds
+        session.state.draft_down_until = session.state.round + self.config.draft_retry_rounds
 
-    def _release(self, session) -> None:
-        try:
-            self.verifier.release(session.id, timeout=self.config.draft_timeout_s)
-        except RpcError as err:
-            log.warning("release of %s on the verifier failed: %s", session.id, err.code())
-        if session.draft is not None and not session.draft_down_until:
+    def _end_draft(self, session: LiveSession) -> None:
+        if session.draft is not None and not session.state.draft_down_until:
             try:
                 session.draft.end(session.id, timeout=self.config.draft_timeout_s)
             except RpcError:
                 pass
-
-
-@dataclass
-class _Session:
-    id: str
-    token_ids: list[int]  # committed: prompt + generated (may run past a stop; that tail is never sent)
-    draft: object | None
-    sampling: SamplingParams
-    unsent: list[int] = field(default_factory=list)  # committed tokens the draft has not seen yet
-    round: int = 0
-    generated: int = 0  # tokens handed to the client
-    draft_down_until: int = 0  # round until which the draft is skipped after a failure (0: healthy)
-
-    def draft_usable(self) -> bool:
-        return self.draft is not None and (not self.draft_down_until or self.round >= self.draft_down_until)
-
-    def drafter_name(self, orchestrator: Orchestrator) -> str:
-        info = orchestrator._draft_info_of(self.draft) if self.draft is not None else None
-        return info.drafter if info else "none"
 
 
 def _branch_depth(tree: TokenTree, verdict) -> int:

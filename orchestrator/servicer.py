@@ -11,6 +11,9 @@ from specsplit.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 
 def request_from_pb(orchestrator: Orchestrator, msg: orchestrator_pb2.GenerateRequest) -> GenerationRequest:
+    if msg.resume_session_id:  # everything else comes from the session store
+        return GenerationRequest([], 0, resumable=True, resume_session_id=msg.resume_session_id,
+                                 resume_from_token=msg.resume_from_token)
     prompt_ids = orchestrator.prompt_token_ids(
         prompt=msg.prompt,
         messages=[{"role": m.role, "content": m.content} for m in msg.messages],
@@ -24,6 +27,7 @@ def request_from_pb(orchestrator: Orchestrator, msg: orchestrator_pb2.GenerateRe
         draft=msg.draft or "auto",
         session_id=msg.session_id,
         sampling=sampling_from_pb(msg.sampling),
+        resumable=msg.resumable,
     )
 
 
@@ -41,6 +45,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
                 yield chunk_to_pb(chunk)
         finally:
             generation.close()
+
+    @grpc_errors
+    def Cancel(self, request, context):
+        return orchestrator_pb2.CancelResponse(cancelled=self.orchestrator.cancel(request.session_id))
 
 
 SERVICE_NAME = orchestrator_pb2.DESCRIPTOR.services_by_name["OrchestratorService"].full_name

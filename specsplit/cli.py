@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print one JSON object (prompt_token_ids, token_ids, text, rounds, mean_accepted_tokens, "
                           "tokens_per_second, elapsed_s, ...) instead of streaming text")
     gen.add_argument("--orchestrator", default=_env("SPECSPLIT_ORCHESTRATOR"),
-                     help="HOST:PORT of a running orchestrator; skips the embedded stack")
+                     help="HOST:PORT of a running orchestrator; skips the embedded stack. Several, comma-separated "
+                          "(sharing a --redis-url store): the generation resumes on another one if one fails")
     _model_flags(gen)
 
     serve = sub.add_parser("serve", help="run one service until interrupted",
@@ -69,6 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--draft-model", default=_env("SPECSPLIT_DRAFT_MODEL"), help="draft service: the draft model")
     serve.add_argument("--verifier", default=_env("SPECSPLIT_VERIFIER"),
                        help="orchestrator: HOST:PORT of the verifier (env SPECSPLIT_VERIFIER)")
+    serve.add_argument("--verifiers", default=_env("SPECSPLIT_VERIFIERS", ""),
+                       help="orchestrator: comma-separated HOST:PORT of verifier replicas (env SPECSPLIT_VERIFIERS); "
+                            "a session moves to another replica when its replica dies")
+    serve.add_argument("--redis-url", default=_env("SPECSPLIT_REDIS_URL", ""),
+                       help="orchestrator: session store, e.g. redis://HOST:6379/0 (env SPECSPLIT_REDIS_URL); "
+                            "orchestrators sharing it can resume each other's sessions (default: in-process)")
+    serve.add_argument("--store-retry-s", type=float, default=float(_env("SPECSPLIT_STORE_RETRY_S", "5")),
+                       help="orchestrator: how long a session-store call retries while Redis is unreachable "
+                            "before the stream fails with UNAVAILABLE (default 5)")
+    serve.add_argument("--idle-timeout", type=float, default=float(_env("SPECSPLIT_IDLE_TIMEOUT", "300")),
+                       help="verifier/draft: free a session untouched for this many seconds (its orchestrator "
+                            "vanished; default 300; 0: never)")
     serve.add_argument("--drafts", default=_env("SPECSPLIT_DRAFTS", ""),
                        help="orchestrator: comma-separated HOST:PORT of draft services, 'auto' preference first "
                             "(env SPECSPLIT_DRAFTS; empty: target-only)")
@@ -137,10 +150,12 @@ def generate(args) -> int:
     rounds = accepted = drafted = 0
     finish = ""
     try:
-        with Client(address) as client:
+        addresses = _addresses(address)
+        with Client(addresses) as client:
             start = time.perf_counter()
             stream = client.generate(args.prompt, max_new_tokens=args.max_new_tokens, stop=args.stop,
-                                     draft=args.draft, chat_template=not args.no_chat_template)
+                                     draft=args.draft, chat_template=not args.no_chat_template,
+                                     resume=len(addresses) > 1)
             for chunk in stream:
                 if chunk.prompt_token_ids:
                     prompt_ids = chunk.prompt_token_ids
@@ -189,20 +204,27 @@ def serve(args) -> int:
     setup_tracing(f"specsplit-{args.service}")
     if args.service == "verifier":
         target = launch.load_model(args.target_model, args.device, args.dtype)
-        config = VerifierConfig(max_tree_nodes=args.max_tree_nodes, max_sessions=args.max_sessions)
+        config = VerifierConfig(max_tree_nodes=args.max_tree_nodes, max_sessions=args.max_sessions,
+                                idle_timeout_s=args.idle_timeout)
         server = launch.start_verifier(target, args.listen, config)
     elif args.service == "draft":
         proposer = launch.make_proposer(args.draft, args.draft_model, args.device, args.dtype,
                                         DraftConfig(max_nodes=args.max_tree_nodes))
-        server = launch.start_draft(proposer, args.listen, args.max_tree_nodes, args.draft_model or "")
+        server = launch.start_draft(proposer, args.listen, args.max_tree_nodes, args.draft_model or "",
+                                    args.idle_timeout)
     else:
-        if not args.verifier:
-            print("specsplit: error: serve orchestrator needs --verifier HOST:PORT (or SPECSPLIT_VERIFIER)",
-                  file=sys.stderr)
+        verifiers = _addresses(args.verifier or "") + _addresses(args.verifiers)
+        if not verifiers:
+            print("specsplit: error: serve orchestrator needs --verifier HOST:PORT or --verifiers A,B "
+                  "(or SPECSPLIT_VERIFIER / SPECSPLIT_VERIFIERS)", file=sys.stderr)
             return 2
-        drafts = [a.strip() for a in args.drafts.split(",") if a.strip()]
-        server = launch.start_orchestrator(args.verifier, drafts, launch.load_tokenizer(args.target_model),
-                                           args.listen, OrchestratorConfig())
+        from specsplit.store import RedisStore, open_store
+
+        store = open_store(args.redis_url)
+        if isinstance(store, RedisStore):
+            store.retry_s = args.store_retry_s
+        server = launch.start_orchestrator(verifiers, _addresses(args.drafts), launch.load_tokenizer(args.target_model),
+                                           args.listen, OrchestratorConfig(), store)
     print(f"specsplit {args.service} serving on {server.address}", file=sys.stderr, flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -210,6 +232,10 @@ def serve(args) -> int:
     stop.wait()
     server.stop(grace=5.0)
     return 0
+
+
+def _addresses(text: str) -> list[str]:
+    return [a.strip() for a in text.split(",") if a.strip()]
 
 
 if __name__ == "__main__":

@@ -4,10 +4,18 @@
     with specsplit.Client("localhost:50051") as client:
         for chunk in client.generate("Write a haiku about TCP", max_new_tokens=64):
             print(chunk.text, end="", flush=True)
+
+    # Survives the death of the orchestrator: reconnects to another one (sharing a Redis session store)
+    # and resumes after the last token received.
+    with specsplit.Client(["orch-a:50051", "orch-b:50051"]) as client:
+        for chunk in client.generate("Write a haiku about TCP", resume=True):
+            ...
 """
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
@@ -15,7 +23,7 @@ import grpc
 from specsplit.rpc import chunk_from_pb, generate_request_to_pb
 from specsplit.serving import CHANNEL_OPTIONS, open_channel
 from specsplit.stream import Chunk, RoundStats  # noqa: F401  (re-exported for SDK users)
-from specsplit.v1 import orchestrator_pb2_grpc
+from specsplit.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 GenerateChunk = Chunk
 
@@ -34,25 +42,116 @@ class GenerateStream:
         self._call.cancel()
 
 
+# A stream that broke with one of these may continue on another orchestrator: the server is gone
+# (UNAVAILABLE), or its connection broke mid-stream (UNKNOWN/INTERNAL: RST_STREAM, socket closed).
+RESUMABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+
+
+class ResumableStream(GenerateStream):
+    """A generation that survives its orchestrator: after a failure it reconnects to any of the client's
+    orchestrators and resumes the session after the last token it received (none lost, none repeated).
+
+    ``reconnects`` counts the resumes; ``session_id`` names the session (chosen by the client).
+    """
+
+    def __init__(self, client: "Client", request, timeout: float | None):
+        super().__init__(None)
+        self._client = client
+        self._request = request
+        self._timeout = timeout
+        self._cancelled = False
+        self._index = 0  # the orchestrator in use
+        self.session_id = request.session_id
+        self.reconnects = 0
+
+    def __iter__(self) -> Iterator[Chunk]:
+        request, received, started = self._request, 0, False
+        give_up_at = None
+        delay = 0.05
+        while True:
+            self._call = self._client._stub(self._index).Generate(request, timeout=self._timeout)
+            try:
+                for msg in self._call:
+                    chunk = chunk_from_pb(msg)
+                    give_up_at, delay = None, 0.05  # progress: a later failure gets a fresh reconnect window
+                    if chunk.prompt_token_ids is not None and not chunk.token_ids and not chunk.finish_reason:
+                        if started:
+                            continue  # a resumed stream repeats the header; the caller has it
+                        started = True
+                    received += len(chunk.token_ids)
+                    yield chunk
+                    if chunk.finish_reason:
+                        return
+                return
+            except grpc.RpcError as err:
+                code = err.code()
+                never_stored = code == grpc.StatusCode.NOT_FOUND and not started and request is not self._request
+                if self._cancelled or (code not in RESUMABLE_CODES and not never_stored):
+                    raise
+                now = time.monotonic()
+                give_up_at = give_up_at or now + self._client.reconnect_s
+                if now > give_up_at:
+                    raise
+                time.sleep(delay)
+                delay = min(2 * delay, 1.0)
+                self._index = (self._index + 1) % len(self._client.addresses)
+                self.reconnects += 1
+                # Resume where we are; a session no orchestrator ever stored is started again, same id.
+                request = self._request if never_stored else orchestrator_pb2.GenerateRequest(
+                    resume_session_id=self.session_id, resume_from_token=received)
+
+    def cancel(self) -> None:
+        """Cancel the session itself (a resumable session outlives a dropped stream), then the stream."""
+        self._cancelled = True
+        try:
+            self._client.cancel(self.session_id, index=self._index)
+        except grpc.RpcError:
+            pass  # that orchestrator is gone; the session expires on its own
+        if self._call is not None:
+            self._call.cancel()
+
+
 class Client:
-    def __init__(self, address: str, timeout: float | None = 600.0):
-        """address: host:port of an orchestrator; timeout: default deadline of a whole generation (s)."""
-        self.address = address
+    def __init__(self, address: str | Sequence[str], timeout: float | None = 600.0, reconnect_s: float = 30.0):
+        """address: host:port of an orchestrator, or several that share a session store (a ``resume=True``
+        generation moves between them); timeout: default deadline of a whole generation (s);
+        reconnect_s: how long a resumable generation keeps trying to reconnect after a failure."""
+        self.addresses = [address] if isinstance(address, str) else list(address)
+        if not self.addresses:
+            raise ValueError("no orchestrator address given")
+        self.address = self.addresses[0]
         self.timeout = timeout
-        self._channel = open_channel(address)
-        self._stub = orchestrator_pb2_grpc.OrchestratorServiceStub(self._channel)
+        self.reconnect_s = reconnect_s
+        self._channels: dict[int, grpc.Channel] = {}
+
+    def _stub(self, index: int) -> orchestrator_pb2_grpc.OrchestratorServiceStub:
+        if index not in self._channels:
+            self._channels[index] = open_channel(self.addresses[index])
+        return orchestrator_pb2_grpc.OrchestratorServiceStub(self._channels[index])
 
     def generate(self, prompt: str = "", *, messages: Sequence[dict] | None = None,
                  prompt_token_ids: Sequence[int] | None = None, max_new_tokens: int | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  stop: Sequence[str] = (), draft: str = "auto", chat_template: bool = True, session_id: str = "",
-                 timeout: float | None = None) -> GenerateStream:
+                 timeout: float | None = None, resume: bool = False) -> GenerateStream:
+        """resume: survive the orchestrator (reconnect to any of this client's addresses and resume)."""
+        if resume:
+            session_id = session_id or uuid.uuid4().hex
         request = generate_request_to_pb(prompt, messages, prompt_token_ids, max_new_tokens, temperature, top_k,
-                                         top_p, seed, stop, draft, chat_template, session_id)
-        return GenerateStream(self._stub.Generate(request, timeout=timeout or self.timeout))
+                                         top_p, seed, stop, draft, chat_template, session_id, resumable=resume)
+        if resume:
+            return ResumableStream(self, request, timeout or self.timeout)
+        return GenerateStream(self._stub(0).Generate(request, timeout=timeout or self.timeout))
+
+    def cancel(self, session_id: str, index: int = 0, timeout: float = 5.0) -> bool:
+        """Cancel a session on whichever orchestrator runs it; False if it already ended or is unknown."""
+        request = orchestrator_pb2.CancelRequest(session_id=session_id)
+        return self._stub(index).Cancel(request, timeout=timeout).cancelled
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
 
     def __enter__(self) -> "Client":
         return self

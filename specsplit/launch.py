@@ -39,32 +39,39 @@ def make_proposer(kind: str, draft_model: str | None = None, device: str | None 
     raise InvalidArgument(f"unknown drafter {kind!r}; choose ngram or model")
 
 
-def start_draft(proposer, address: str = "127.0.0.1:0", max_nodes: int = 64, model_name: str = "") -> Server:
+def start_draft(proposer, address: str = "127.0.0.1:0", max_nodes: int = 64, model_name: str = "",
+                idle_timeout_s: float = 300.0) -> Server:
     from draft_service.drafter import Drafter
     from draft_service.servicer import DraftServicer, registration
 
     drafter = Drafter(proposer, max_nodes)
-    server = Server(address, [registration(DraftServicer(drafter, model_name))])
+    server = Server(address, [registration(DraftServicer(drafter, model_name, idle_timeout_s))])
     server.core = drafter
     return server
 
 
-def start_orchestrator(verifier_address: str, draft_addresses: list[str], tokenizer, address: str = "127.0.0.1:0",
-                       config: OrchestratorConfig | None = None) -> Server:
+def start_orchestrator(verifier_addresses: str | list[str], draft_addresses: list[str], tokenizer,
+                       address: str = "127.0.0.1:0", config: OrchestratorConfig | None = None,
+                       store=None) -> Server:
+    """verifier_addresses: one address or the replicas'; store: a SessionStore (default: in this process)."""
     from orchestrator.generation import Orchestrator
     from orchestrator.servicer import OrchestratorServicer, registration
     from specsplit.rpc import RemoteDraft, RemoteVerifier
 
-    orchestrator = Orchestrator(RemoteVerifier(verifier_address), [RemoteDraft(a) for a in draft_addresses],
-                                tokenizer, config)
-    return Server(address, [registration(OrchestratorServicer(orchestrator))])
+    if isinstance(verifier_addresses, str):
+        verifier_addresses = [verifier_addresses]
+    orchestrator = Orchestrator([RemoteVerifier(a) for a in verifier_addresses],
+                                [RemoteDraft(a) for a in draft_addresses], tokenizer, config, store)
+    server = Server(address, [registration(OrchestratorServicer(orchestrator))])
+    server.core = orchestrator
+    return server
 
 
 @dataclass
 class Stack:
-    """Draft(s), verifier and orchestrator on loopback ephemeral ports in this process (real gRPC)."""
+    """Draft(s), verifier replica(s) and orchestrator on loopback ephemeral ports in this process (real gRPC)."""
 
-    verifier: Server
+    verifiers: list[Server]
     drafts: list[Server]
     orchestrator: Server
     target: LoadedModel
@@ -74,14 +81,23 @@ class Stack:
         return self.orchestrator.address
 
     @property
+    def verifier(self) -> Server:
+        return self.verifiers[0]
+
+    @property
     def verifier_engine(self):
         return self.verifier.core
 
     def draft_sessions(self) -> int:
         return sum(d.core.num_sessions() for d in self.drafts)
 
+    def verifier_sessions(self) -> int:
+        return sum(v.core.num_sessions() for v in self.verifiers)
+
     def close(self) -> None:
-        for server in [self.orchestrator, *self.drafts, self.verifier]:
+        self.orchestrator.stop(grace=1.0)
+        self.orchestrator.core.close()
+        for server in [*self.drafts, *self.verifiers]:
             server.stop(grace=1.0)
 
     def __enter__(self) -> "Stack":
@@ -92,13 +108,15 @@ class Stack:
 
 
 def start_stack(target: LoadedModel, proposers: list, verifier_config: VerifierConfig | None = None,
-                orchestrator_config: OrchestratorConfig | None = None, tokenizer=None) -> Stack:
-    """proposers: in "auto" preference order (may be empty: target-only)."""
-    verifier = start_verifier(target, config=verifier_config)
+                orchestrator_config: OrchestratorConfig | None = None, tokenizer=None, replicas: int = 1,
+                store=None) -> Stack:
+    """proposers: in "auto" preference order (may be empty: target-only); replicas: verifier replicas
+    (sharing the model's weights); store: a SessionStore (default: in this process)."""
+    verifiers = [start_verifier(target, config=verifier_config) for _ in range(replicas)]
     drafts = [start_draft(p, model_name=getattr(getattr(p, "loaded", None), "name", "")) for p in proposers]
-    orchestrator = start_orchestrator(verifier.address, [d.address for d in drafts], tokenizer or target.tokenizer,
-                                      config=orchestrator_config)
-    return Stack(verifier, drafts, orchestrator, target)
+    orchestrator = start_orchestrator([v.address for v in verifiers], [d.address for d in drafts],
+                                      tokenizer or target.tokenizer, config=orchestrator_config, store=store)
+    return Stack(verifiers, drafts, orchestrator, target)
 
 
 def default_proposers(draft: str, draft_model: str | None, device: str | None, dtype: str,

@@ -1,0 +1,83 @@
+"""Verifier replicas: which are up (grpc.health.v1 checks plus failed calls), and where a session goes."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from specsplit.errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Replica:
+    address: str
+    client: object  # a RemoteVerifier
+    healthy: bool = True  # optimistic until a health check or a call says otherwise
+    sessions: int = 0  # sessions this orchestrator placed here and has not released
+
+
+class ReplicaSet:
+    """Verifier replicas behind one orchestrator; a background thread health-checks them."""
+
+    def __init__(self, clients: list, health_interval_s: float = 1.0, health_timeout_s: float = 1.0):
+        if not clients:
+            raise ValueError("at least one verifier replica is needed")
+        self.replicas = [Replica(c.address, c) for c in clients]
+        self.health_timeout_s = health_timeout_s
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = None
+        if health_interval_s > 0 and len(self.replicas) > 1:
+            self._thread = threading.Thread(target=self._run, args=(health_interval_s,),
+                                            name="specsplit-health", daemon=True)
+            self._thread.start()
+
+    def __iter__(self):
+        return iter(self.replicas)
+
+    def by_address(self, address: str) -> Replica | None:
+        return next((r for r in self.replicas if r.address == address), None)
+
+    def pick(self, exclude: Iterable[str] = ()) -> Replica:
+        """The healthy replica with the fewest of our sessions (not in ``exclude``); else any not excluded."""
+        excluded = set(exclude)
+        with self._lock:
+            candidates = [r for r in self.replicas if r.address not in excluded]
+            healthy = [r for r in candidates if r.healthy]
+            if not candidates:
+                raise Unavailable("no verifier replica is reachable (tried: "
+                                  f"{', '.join(sorted(excluded)) or 'none'}); retry later")
+            # A replica marked down may be back before the next health check: try it last, not never.
+            return min(healthy or candidates, key=lambda r: r.sessions)
+
+    def placed(self, replica: Replica, delta: int) -> None:
+        with self._lock:
+            replica.sessions = max(0, replica.sessions + delta)
+
+    def mark_down(self, replica: Replica, reason: str) -> None:
+        if replica.healthy:
+            log.warning("verifier replica %s is down (%s)", replica.address, reason)
+        replica.healthy = False
+
+    def check(self) -> None:
+        """One round of grpc.health.v1 checks."""
+        for replica in self.replicas:
+            ok = replica.client.healthy(self.health_timeout_s)
+            if ok and not replica.healthy:
+                log.info("verifier replica %s is back", replica.address)
+            elif not ok and replica.healthy:
+                log.warning("verifier replica %s failed its health check", replica.address)
+            replica.healthy = ok
+
+    def _run(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            self.check()
+
+    def close(self) -> None:
+        self._stop.set()
+        for replica in self.replicas:
+            replica.client.close()

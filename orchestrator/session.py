@@ -1,0 +1,67 @@
+"""A session as the orchestrator drives it: the stored ``SessionState`` plus what lives only in this process."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass, field, replace
+
+from orchestrator.controller import BudgetController
+from orchestrator.detok import TextStream
+from specsplit.sampling import SamplingParams
+from specsplit.store import SessionState
+
+
+@dataclass
+class LiveSession:
+    state: SessionState  # what another orchestrator would need to continue: written after every round
+    draft: object | None  # a RemoteDraft, or None (target-only)
+    controller: BudgetController
+    stream: TextStream  # detokenizer over the generated tokens the client has
+    unsent: list[int] = field(default_factory=list)  # committed tokens the draft has not seen yet
+    replica: object | None = None  # the verifier Replica holding the KV cache (None: must be restored)
+    used: set = field(default_factory=set)  # replica addresses that may hold a KV cache of this session
+    skip: int = 0  # generated tokens the client has beyond the stored state: regenerated, never resent
+    cancel: threading.Event = field(default_factory=threading.Event)  # a Cancel call for this session
+    owned: bool = False  # this request created or claimed it (False: a replay of a finished session)
+    lost: bool = False  # another request claimed it since: touch nothing
+    failed: bool = False  # a permanent error ended the stream: cancel rather than detach
+    committed_final: bool = False  # the store already has its end state (finished, cancelled, detached)
+
+    @property
+    def id(self) -> str:
+        return self.state.session_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        """[P + G'] prompt + committed."""
+        return self.state.token_ids
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """What the verifier and the draft get: the request's params with the session's seed."""
+        params = self.state.sampling
+        return params if params.greedy else replace(params, seed=self.state.seed)
+
+    def draft_usable(self) -> bool:
+        down = self.state.draft_down_until
+        return self.draft is not None and (not down or self.state.round >= down)
+
+    def save_controller(self) -> None:
+        self.state.controller = asdict(self.controller)
+
+
+def controller_from_state(state: SessionState, max_nodes: int) -> BudgetController:
+    """The session's budget controller: fresh, or as it was after the last committed round."""
+    if not state.controller:
+        return BudgetController(max_nodes=max_nodes, deterministic=state.sampling.seed is not None)
+    saved = dict(state.controller)
+    saved["verify_ms"] = {int(k): v for k, v in saved.get("verify_ms", {}).items()}  # JSON keys are strings
+    return BudgetController(**saved)
+
+
+def text_stream_at(tokenizer, state: SessionState, client_has: int) -> TextStream:
+    """A detokenizer positioned after the first ``client_has`` generated tokens (what the client has seen)."""
+    stream = TextStream(tokenizer, list(state.stop))
+    if client_has:
+        stream.add(state.committed_token_ids[:client_has])
+    return stream

@@ -1,0 +1,213 @@
+"""Failover and resume in one process (real gRPC): replicas, detach/resume, offload, cancel, no leaks."""
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from draft_service.proposers import NgramProposer
+from specsplit.client import Client
+from specsplit.config import DraftConfig, OrchestratorConfig, VerifierConfig
+from specsplit.launch import start_stack
+from specsplit.store import DETACHED, InMemoryStore
+from specsplit.v1 import orchestrator_pb2
+from tiny import hf_greedy
+
+PROMPT = [258, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4]
+
+
+def tokens_of(chunks):
+    return [t for c in chunks for t in c.token_ids]
+
+
+def wait_for(predicate, timeout=5.0):
+    deadline = time.time() + timeout
+    while not predicate() and time.time() < deadline:
+        time.sleep(0.02)
+    return predicate()
+
+
+def read_then_drop(client, n_chunks, **kwargs):
+    """Start a resumable generation, read ``n_chunks`` chunks, then break the stream (no Cancel call)."""
+    stream = client.generate(resume=True, **kwargs)
+    got = []
+    it = iter(stream)
+    while len(got) < n_chunks:
+        got.append(next(it))
+    stream._call.cancel()  # the connection is gone; the session is not cancelled
+    return stream.session_id, got
+
+
+def resume(client, session_id, client_has):
+    request = orchestrator_pb2.GenerateRequest(resume_session_id=session_id, resume_from_token=client_has)
+    from specsplit.rpc import chunk_from_pb
+
+    return [chunk_from_pb(m) for m in client._stub(0).Generate(request, timeout=60)]
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_detached_session_resumes_with_nothing_lost_or_repeated(target, offload):
+    config = OrchestratorConfig(offload_min_tokens=8 if offload else 10**6)
+    with start_stack(target, [NgramProposer(DraftConfig())], orchestrator_config=config, replicas=2) as stack:
+        client = Client(stack.address)
+        session_id, got = read_then_drop(client, 4, prompt_token_ids=PROMPT, max_new_tokens=60)
+        store = stack.orchestrator.core.store
+        assert wait_for(lambda: store.load(session_id).status == DETACHED)
+        state = store.load(session_id)
+        if offload:  # the idle cache moved to the store and left the replica
+            assert state.kv_length == len(state.token_ids) and store.get_kv(session_id) is not None
+            assert wait_for(lambda: stack.verifier_sessions() == 0)
+        else:
+            assert stack.verifier_sessions() == 1
+        have = tokens_of(got)
+        rest = resume(client, session_id, len(have))
+        assert rest[0].prompt_token_ids == PROMPT and not rest[0].token_ids  # the header again
+        assert have + tokens_of(rest) == hf_greedy(target.model, PROMPT, 60)
+        assert rest[-1].finish_reason == "length"
+        planner = stack.orchestrator.core.placement.planner
+        assert planner.counts["import"] == int(offload)  # the restore was an import, not a prefill
+        assert wait_for(lambda: stack.verifier_sessions() == 0 and stack.draft_sessions() == 0)
+        assert store.get_kv(session_id) is None
+        # A finished session can still be replayed to a client that lost the last chunks.
+        again = resume(client, session_id, 50)
+        assert tokens_of(again) == hf_greedy(target.model, PROMPT, 60)[50:] and again[-1].finish_reason == "length"
+
+
+def test_client_ahead_of_the_store_gets_only_new_tokens(target):
+    """Redis lost the last writes (e.g. fsync window): the session regenerates them, sending none twice."""
+    with start_stack(target, [NgramProposer(DraftConfig())]) as stack:
+        client = Client(stack.address)
+        session_id, got = read_then_drop(client, 6, prompt_token_ids=PROMPT, max_new_tokens=40)
+        store = stack.orchestrator.core.store
+        assert wait_for(lambda: store.load(session_id).status == DETACHED)
+        have = tokens_of(got)
+        state = store.load(session_id)
+        state.committed_token_ids, state.generated = state.committed_token_ids[:3], 3  # rolled back
+        state.round += 1
+        store.commit(state)
+        rest = resume(client, session_id, len(have))
+        assert have + tokens_of(rest) == hf_greedy(target.model, PROMPT, 40)
+
+
+def test_sdk_resume_reconnects_to_the_other_orchestrator(target):
+    """Two orchestrators sharing one store; the first one stops mid-stream; the SDK resumes on the second."""
+    from specsplit.launch import start_orchestrator
+
+    store = InMemoryStore()
+    with start_stack(target, [], store=store) as stack:
+        second = start_orchestrator(stack.verifier.address, [], target.tokenizer, store=store)
+        try:
+            client = Client([stack.address, second.address], reconnect_s=10)
+            stream = client.generate(prompt_token_ids=PROMPT, max_new_tokens=50, resume=True)
+            got = []
+            for chunk in stream:
+                got.append(chunk)
+                if len(got) == 5:
+                    stack.orchestrator.stop(grace=0)  # the first orchestrator goes away mid-stream
+            assert stream.reconnects >= 1
+            assert tokens_of(got) == hf_greedy(target.model, PROMPT, 50)
+            assert sum(1 for c in got if c.prompt_token_ids) == 1  # one header, however many reconnects
+        finally:
+            second.stop(0)
+            second.core.close()
+
+
+def test_cancel_frees_a_resumable_session(target):
+    with start_stack(target, [NgramProposer(DraftConfig())]) as stack:
+        client = Client(stack.address)
+        stream = client.generate(prompt_token_ids=PROMPT, max_new_tokens=200, resume=True)
+        with pytest.raises(grpc.RpcError):
+            for i, _ in enumerate(stream):
+                if i == 3:
+                    stream.cancel()
+        assert wait_for(lambda: stack.verifier_sessions() == 0 and stack.draft_sessions() == 0)
+        assert stack.orchestrator.core.store.load(stream.session_id).status == "cancelled"
+        assert client.cancel(stream.session_id) is False  # already over
+
+
+def test_sampled_session_continues_identically_after_a_move(target):
+    kwargs = dict(prompt_token_ids=PROMPT, max_new_tokens=40, temperature=1.5, top_k=30, seed=11)
+    with start_stack(target, [NgramProposer(DraftConfig())], replicas=2) as stack:
+        client = Client(stack.address)
+        reference = tokens_of(client.generate(**kwargs))
+        session_id, got = read_then_drop(client, 5, **kwargs)
+        store = stack.orchestrator.core.store
+        assert wait_for(lambda: store.load(session_id).status == DETACHED)
+        holder = store.load(session_id).verifier
+        for server in stack.verifiers:  # the replica holding the cache dies; the session moves
+            if server.address == holder:
+                server.stop(0)
+        have = tokens_of(got)
+        assert have + tokens_of(resume(client, session_id, len(have))) == reference
+
+
+def test_sessions_move_when_a_replica_dies(target):
+    prompts = [PROMPT, PROMPT[:7], list(range(40, 60)), [42, 43, 44], PROMPT[3:], list(range(90, 99))]
+    results, errors = {}, []
+    config = OrchestratorConfig(health_interval_s=0.2)
+    with start_stack(target, [NgramProposer(DraftConfig())], orchestrator_config=config, replicas=2) as stack:
+        started = threading.Barrier(len(prompts) + 1)
+
+        def run(i):
+            try:
+                chunks = []
+                for chunk in Client(stack.address).generate(prompt_token_ids=prompts[i], max_new_tokens=80):
+                    chunks.append(chunk)
+                    if len(chunks) == 3:
+                        started.wait()
+                results[i] = tokens_of(chunks)
+            except Exception as err:  # noqa: BLE001
+                errors.append(err)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        started.wait(timeout=60)
+        stack.verifiers[0].stop(0)  # one replica dies with sessions on it
+        for t in threads:
+            t.join()
+        assert not errors
+        orchestrator = stack.orchestrator.core
+        assert wait_for(lambda: not orchestrator.replicas.replicas[0].healthy)
+        moved = orchestrator.placement.planner.counts["prefill"] - len(prompts)
+        assert moved >= 2  # sessions were spread over both replicas, and those on the dead one moved
+        assert stack.verifiers[1].core.num_sessions() == 0
+    for i, prompt in enumerate(prompts):
+        assert results[i] == hf_greedy(target.model, prompt, 80)
+
+
+def test_no_kv_cache_is_left_after_200_sessions(target):
+    """200 sessions that finish, are cancelled, break off and resume, or are abandoned: nothing leaks."""
+    config = OrchestratorConfig(offload_min_tokens=20)
+    with start_stack(target, [NgramProposer(DraftConfig())], orchestrator_config=config, replicas=2,
+                     verifier_config=VerifierConfig(idle_timeout_s=1.0, max_context=256)) as stack:
+        client = Client(stack.address)
+        for i in range(200):
+            prompt = [258, *range(1 + i % 50, 12 + i % 50)]
+            kind = i % 5
+            if kind == 0:  # finishes
+                list(client.generate(prompt_token_ids=prompt, max_new_tokens=6))
+            elif kind == 1:  # cancelled by the client (plain stream)
+                stream = client.generate(prompt_token_ids=prompt, max_new_tokens=100)
+                with pytest.raises(grpc.RpcError):
+                    for j, _ in enumerate(stream):
+                        if j == 2:
+                            stream.cancel()
+            elif kind == 2:  # resumable, cancelled through Cancel
+                stream = client.generate(prompt_token_ids=prompt, max_new_tokens=100, resume=True)
+                with pytest.raises(grpc.RpcError):
+                    for j, _ in enumerate(stream):
+                        if j == 2:
+                            stream.cancel()
+            elif kind == 3:  # resumable, breaks off, resumes, finishes
+                session_id, got = read_then_drop(client, 3, prompt_token_ids=prompt, max_new_tokens=12)
+                wait_for(lambda: stack.orchestrator.core.store.load(session_id).status == DETACHED)
+                resume(client, session_id, len(tokens_of(got)))
+            else:  # resumable, breaks off, never comes back (offloaded or swept)
+                read_then_drop(client, 2 + i % 2, prompt_token_ids=prompt, max_new_tokens=100)
+        assert wait_for(lambda: stack.verifier_sessions() == 0, timeout=10), \
+            [v.core.num_sessions() for v in stack.verifiers]
+        infos = [stack.orchestrator.core.replicas.replicas[k].client.info(timeout=5) for k in range(2)]
+        assert [info.num_sessions for info in infos] == [0, 0]
+        assert wait_for(lambda: stack.draft_sessions() == 0, timeout=5)
