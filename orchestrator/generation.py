@@ -206,11 +206,13 @@ class Orchestrator:
         """After the stream: free a finished or cancelled session everywhere; detach a resumable one."""
         state = session.state
         if not session.owned or session.lost:
+            self.placement.forget(session)
             return  # nothing of ours to free (a replay, or another request owns the session now)
         self._end_draft(session)
         if state.status not in TERMINAL and state.resumable and not (session.cancel.is_set() or session.failed):
             # The client went away (or this process hit an error): keep everything for a resume.
-            self.placement.offload(session)
+            if not self.placement.offload(session):
+                self.placement.forget(session)  # the cache stays on its replica for the resume
             state.status = DETACHED
         else:
             self.placement.release(session)
@@ -285,10 +287,11 @@ class Orchestrator:
                 session.failed = True
                 raise
             finally:
-                self._live.pop(session.id, None)
+                if self._live.get(session.id) is session:
+                    del self._live[session.id]
                 self._settle(session)
                 span.set_attribute("gen_ai.usage.output_tokens", state.generated)
-                span.set_attribute("specsplit.rounds", state.round)
+                span.set_attribute("specsplit.rounds", state.rounds)
 
     def _replay(self, session: LiveSession, client_has: int) -> Iterator[Chunk]:
         """Committed tokens a resuming client has not seen (and the finish, if the session ended)."""
@@ -314,7 +317,8 @@ class Orchestrator:
                 return  # the client is gone: _settle detaches (resumable) or cancels the session
             remaining = state.max_new_tokens - state.generated
             with tracer.start_as_current_span("specsplit.orchestrator.round") as span:
-                span.set_attribute("specsplit.round", state.round + 1)
+                state.rounds += 1
+                span.set_attribute("specsplit.round", state.rounds)
                 budget = session.controller.choose(remaining - 1) if session.draft_usable() else 0
                 tree, draft_ms = self._propose(session, budget)
                 verdict, verify_ms = self.placement.verify(session, tree, remaining)
@@ -345,7 +349,7 @@ class Orchestrator:
                 state.status, state.finish_reason = CANCELLED, "cancelled"
                 yield Chunk("", [], finish_reason="cancelled")
                 return
-            stats = RoundStats(state.round, len(tree), len(verdict.accepted_nodes), len(kept), draft_ms or 0.0,
+            stats = RoundStats(state.rounds, len(tree), len(verdict.accepted_nodes), len(kept), draft_ms or 0.0,
                                verify_ms, self._drafter_name(session) if tree else "none", tree.depth)
             if kept or text or finish:
                 yield Chunk(text, kept, stats=stats, finish_reason=finish)

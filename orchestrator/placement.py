@@ -87,6 +87,7 @@ class KvPlacement:
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED and len(tried) < len(self.replicas.replicas):
                     continue  # this replica is full: try another
                 raise
+            replica.healthy = True
             self._place(session, replica)
             return
 
@@ -142,6 +143,7 @@ class KvPlacement:
             try:
                 result = replica.client.verify(session.id, tree, len(session.token_ids), max_commit,
                                                timeout=self.config.verify_timeout_s)
+                replica.healthy = True  # it answered: back in rotation before the next health check
                 session.state.verifier_length = len(session.token_ids) + len(result[0].committed_token_ids)
                 return result
             except RpcError as err:
@@ -189,6 +191,12 @@ class KvPlacement:
         session.used.clear()
         session.replica = None
         session.state.verifier, session.state.verifier_length = "", 0
+
+    def forget(self, session) -> None:
+        """The session leaves this orchestrator; its cache (if any) stays where it is."""
+        if session.replica is not None:
+            self.replicas.placed(session.replica, -1)
+        session.replica = None
 
     def release_at(self, address: str, session_id: str) -> None:
         replica = self.replicas.by_address(address)

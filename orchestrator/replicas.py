@@ -31,7 +31,7 @@ class ReplicaSet:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = None
-        if health_interval_s > 0 and len(self.replicas) > 1:
+        if health_interval_s > 0:
             self._thread = threading.Thread(target=self._run, args=(health_interval_s,),
                                             name="specsplit-health", daemon=True)
             self._thread.start()

@@ -42,6 +42,7 @@ class SessionState:
     verifier_length: int = 0  # committed length of the cache there
     kv_length: int = 0  # committed length of an offloaded KV cache in the store (0: none)
     round: int = 0  # fencing token: +1 on every write
+    rounds: int = 0  # verification rounds run
     status: str = RUNNING  # running, detached (client gone, resumable), finished, cancelled
     finish_reason: str = ""
     resumable: bool = False  # a dropped stream detaches instead of cancelling
@@ -206,7 +207,10 @@ class RedisStore:
     def __init__(self, url: str, config: StoreConfig | None = None, prefix: str = "specsplit",
                  retry_s: float = 5.0):
         """retry_s: how long a call keeps retrying while Redis is unreachable before UNAVAILABLE."""
-        import redis
+        try:
+            import redis
+        except ImportError:
+            raise FailedPrecondition("a Redis session store needs the redis package: pip install 'specsplit[redis]'") from None
 
         self.url = url
         self.config = config or StoreConfig()

@@ -1,0 +1,75 @@
+"""The small pieces behind failover: replica choice, restore planning, idle sweeps, per-round seeds."""
+
+import time
+
+import pytest
+
+from orchestrator.placement import RestorePlanner
+from orchestrator.replicas import ReplicaSet
+from specsplit.errors import Unavailable
+from specsplit.sampling import round_seed
+from specsplit.sweep import IdleSweeper
+
+
+class FakeVerifier:
+    def __init__(self, address, up=True):
+        self.address, self.up = address, up
+
+    def healthy(self, timeout):
+        return self.up
+
+    def close(self):
+        pass
+
+
+def test_pick_prefers_healthy_then_least_loaded_and_skips_excluded():
+    a, b, c = FakeVerifier("a"), FakeVerifier("b"), FakeVerifier("c", up=False)
+    replicas = ReplicaSet([a, b, c], health_interval_s=0)
+    replicas.check()
+    assert [r.healthy for r in replicas] == [True, True, False]
+    first = replicas.pick()
+    replicas.placed(first, +1)
+    assert replicas.pick().address != first.address  # the other healthy one has fewer sessions
+    assert replicas.pick(exclude={"a", "b"}).address == "c"  # down, but the only one left: tried last
+    with pytest.raises(Unavailable, match="no verifier replica is reachable"):
+        replicas.pick(exclude={"a", "b", "c"})
+    replicas.mark_down(replicas.by_address("a"), "test")
+    assert replicas.pick().address == "b"
+    a.up = False
+    c.up = True
+    replicas.check()  # health checks bring replicas back and take them out
+    assert [r.healthy for r in replicas] == [False, True, True]
+
+
+def test_restore_planner_measures_then_picks_the_faster():
+    planner = RestorePlanner(min_tokens=32)
+    assert planner.prefer_import()  # untried: try it, so it gets measured
+    planner.observe("prefill", 1000, 500.0)
+    planner.observe("import", 1000, 80.0)
+    assert planner.prefer_import()
+    for _ in range(10):
+        planner.observe("import", 1000, 900.0)  # import got slow (a far-away store)
+    assert not planner.prefer_import()
+    planner.observe("prefill", 4, 1000.0)  # short restores are all overhead: not evidence
+    assert planner.prefill_ms_per_token == 0.5
+    assert planner.counts == {"prefill": 2, "import": 11}
+
+
+def test_idle_sweeper_releases_only_idle_sessions():
+    released = []
+    sweeper = IdleSweeper(released.append, idle_s=0.2, interval_s=3600)  # sweep by hand
+    sweeper.touch("old")
+    time.sleep(0.25)
+    sweeper.touch("fresh")
+    sweeper.touch("gone")
+    sweeper.forget("gone")
+    assert sweeper.sweep() == ["old"] and released == ["old"]
+    assert sweeper.sweep() == []
+    sweeper.close()
+
+
+def test_round_seeds_depend_on_seed_and_position_only():
+    assert round_seed(7, 100) == round_seed(7, 100)
+    seeds = {round_seed(s, n) for s in range(20) for n in range(50)}
+    assert len(seeds) == 1000  # no collisions between nearby seeds and positions
+    assert all(0 <= x < 2**63 for x in seeds)
