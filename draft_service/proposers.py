@@ -162,7 +162,7 @@ class ModelProposer:
         if max_nodes <= 0:
             return TokenTree.empty()
         if session.generator is not None and session.sampling.seed is not None:  # same draws on any restart
-            session.generator.manual_seed(round_seed(session.sampling.seed + 1, len(token_ids)))
+            session.generator.manual_seed(round_seed(session.sampling.seed, len(token_ids), stream=1))
         logits = self._catch_up(session, token_ids)[-1:]  # [1, V] after the root (last committed token)
         committed = len(token_ids)
         sampled = not session.sampling.greedy

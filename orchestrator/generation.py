@@ -413,10 +413,12 @@ class Orchestrator:
         return tree, draft_ms
 
     def _draft_replica_after(self, draft):
-        """The next draft service of the same kind (a replica), in configured order; itself if none."""
-        kind = self._draft_info.get(id(draft))
-        same = [d for d in self.drafts if kind is not None and self._draft_info.get(id(d)) == kind]
-        return same[(same.index(draft) + 1) % len(same)] if draft in same else draft
+        """The next draft service of the same kind (a replica; any kind if this one's is unknown), in order."""
+        if len(self.drafts) < 2:
+            return draft
+        kind = self._draft_info_of(draft)
+        same = [d for d in self.drafts if d is draft or kind is None or self._draft_info_of(d) == kind]
+        return same[(same.index(draft) + 1) % len(same)]
 
     def _draft_failed(self, session: LiveSession, err) -> None:
         code = err.code() if hasattr(err, "code") else err

@@ -44,14 +44,16 @@ class SamplingParams:
             raise InvalidArgument(f"top_p must be in [0, 1] (0 or 1 = off), got {self.top_p}")
 
 
-def round_seed(seed: int, committed_length: int) -> int:
-    """The RNG seed of the round that starts at ``committed_length`` tokens (splitmix64 of both).
+def round_seed(seed: int, committed_length: int, stream: int = 0) -> int:
+    """The RNG seed of the round that starts at ``committed_length`` tokens (splitmix64 of all three).
+
+    stream: 0 for the target's draws, 1 for the draft's (independent of any session's target draws).
 
     Drawing each round's randomness from (seed, position) instead of one long-lived generator lets a
     session move to another replica, or resume after a restart, and continue with the same draws.
     """
     mask = (1 << 64) - 1
-    x = (seed * 0x9E3779B97F4A7C15 + (committed_length + 1) * 0xD1B54A32D192ED03) & mask
+    x = (seed * 0x9E3779B97F4A7C15 + (committed_length + 1) * 0xD1B54A32D192ED03 + stream * 0x8CB92BA72F3D8DD7) & mask
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
     return (x ^ (x >> 31)) >> 1  # 63 bits

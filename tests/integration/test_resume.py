@@ -211,3 +211,14 @@ def test_no_kv_cache_is_left_after_200_sessions(target):
         infos = [stack.orchestrator.core.replicas.replicas[k].client.info(timeout=5) for k in range(2)]
         assert [info.num_sessions for info in infos] == [0, 0]
         assert wait_for(lambda: stack.draft_sessions() == 0, timeout=5)
+
+
+def test_a_dead_draft_replica_is_replaced_by_its_twin(target):
+    config = OrchestratorConfig(draft_retry_rounds=2)
+    with start_stack(target, [NgramProposer(DraftConfig()), NgramProposer(DraftConfig())],
+                     orchestrator_config=config) as stack:
+        stack.drafts[0].stop(0)
+        chunks = list(Client(stack.address).generate(prompt_token_ids=PROMPT * 3, max_new_tokens=60))
+        assert tokens_of(chunks) == hf_greedy(target.model, PROMPT * 3, 60)
+        assert any(c.stats.num_draft_tokens for c in chunks if c.stats)  # the twin drafted
+        assert wait_for(lambda: stack.drafts[1].core.num_sessions() == 0)

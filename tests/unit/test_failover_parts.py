@@ -73,3 +73,4 @@ def test_round_seeds_depend_on_seed_and_position_only():
     seeds = {round_seed(s, n) for s in range(20) for n in range(50)}
     assert len(seeds) == 1000  # no collisions between nearby seeds and positions
     assert all(0 <= x < 2**63 for x in seeds)
+    assert not seeds & {round_seed(s, n, stream=1) for s in range(20) for n in range(50)}  # the draft's own
