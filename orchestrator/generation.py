@@ -264,10 +264,11 @@ class Orchestrator:
     def generate(self, request: GenerationRequest, cancelled: threading.Event | None = None) -> Iterator[Chunk]:
         """cancelled: set when the client's stream is gone."""
         cancelled = cancelled or threading.Event()
-        session = self._resume(request) if request.resume_session_id else self._start(request)
-        state, info = session.state, self.verifier_info
-        self._live[session.id] = session
+        info = self.verifier_info
         with tracer.start_as_current_span(f"specsplit.orchestrator.generate {info.model}") as span:
+            session = self._resume(request) if request.resume_session_id else self._start(request)
+            state = session.state
+            self._live[session.id] = session
             span.set_attribute("gen_ai.operation.name", "generate")
             span.set_attribute("gen_ai.request.model", info.model)
             span.set_attribute("gen_ai.request.max_tokens", state.max_new_tokens)
