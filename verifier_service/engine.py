@@ -71,14 +71,16 @@ class TargetEngine:
     def num_sessions(self) -> int:
         return len(self._sessions)
 
-    def _forward(self, input_ids, position_ids, attention_mask, cache) -> torch.Tensor:
-        """[1, Q, V] logits for Q new tokens on top of ``cache`` (which grows by Q)."""
+    def _forward(self, input_ids, position_ids, attention_mask, cache, logits_to_keep: int = 0) -> torch.Tensor:
+        """[1, Q, V] logits for Q new tokens on top of ``cache`` (which grows by Q); the last
+        ``logits_to_keep`` rows only when that is > 0 (prefill needs none: it skips the LM head's cost)."""
         out = self._runner(
             self.model,
             input_ids=input_ids,  # [1, Q]
             position_ids=position_ids,  # [1, Q]
             attention_mask=attention_mask,  # [1, 1, Q, P+Q] or None (causal)
             use_cache=True,
+            logits_to_keep=logits_to_keep,
             **{self._cache_kwarg: cache},
         )
         return out.logits  # [1, Q, V]
@@ -118,7 +120,7 @@ class TargetEngine:
                 if len(prompt_token_ids) > 1:
                     ids = torch.tensor([prompt_token_ids[:-1]], dtype=torch.long, device=self.device)  # [1, P-1]
                     positions = torch.arange(ids.shape[1], device=self.device).unsqueeze(0)  # [1, P-1]
-                    self._forward(ids, positions, None, session.cache)
+                    self._forward(ids, positions, None, session.cache, logits_to_keep=1)
         except BaseException:
             self.release(session_id)
             raise
