@@ -83,6 +83,7 @@ class Stack:
     def close(self) -> None:
         for server in [self.orchestrator, *self.drafts, self.verifier]:
             server.stop(grace=1.0)
+        self.verifier.core.close()  # the verifier's model thread
 
     def __enter__(self) -> "Stack":
         return self
