@@ -46,6 +46,7 @@ class OrchestratorConfig:
     verify_timeout_s: float = 60.0  # a big tree on a busy CPU verifier can take seconds
     prefill_timeout_s: float = 300.0  # long prompts on CPU
     draft_retry_rounds: int = 32  # after a draft failure, target-only rounds before trying the draft again
+    max_streams: int = 256  # concurrent Generate streams (each holds a server thread); matches the verifier's sessions
 
     def default_new_tokens(self) -> int:
         return min(self.default_max_new_tokens, self.max_new_tokens_limit)
