@@ -12,7 +12,9 @@ class VerifierConfig:
     max_context: int = 0  # 0: the model's max_position_embeddings
     # Batching: one forward serves the pending Verify (and Prefill chunks) of many sessions.
     max_batch: int = 32  # rows (sessions) per scheduler tick; 1 = one request at a time
-    batch_wait_ms: float = 10.0  # a session's next Verify arrives a few ms after its answer (orchestrator + draft round trip)
+    # Most a tick waits for active sessions' next Verify (it stops once all are in): their orchestrator
+    # and draft round trips take ~1.5 ms each on 2 CPU cores and queue on the GIL, ~25 ms for 16 sessions.
+    batch_wait_ms: float = 40.0
     max_batch_tokens: int = 512  # tokens per tick (~1 s of SmolLM2 on 2 CPU cores); bounds everyone's latency
     prefill_chunk: int = 128  # a long prompt is cached this many tokens per tick, so it never stalls verification
     max_queued_prefill_tokens: int = 16384  # prompt tokens waiting to be cached; past this Prefill is refused at once

@@ -34,6 +34,8 @@ from verifier_service.slots import SlotBatch, SlotStore
 
 tracer = trace.get_tracer(__name__)
 
+ACTIVE_WINDOW_S = 1.0  # a session answered this recently is expected back within batch_wait_ms
+
 
 @dataclass(eq=False)
 class TargetSession:
@@ -43,6 +45,7 @@ class TargetSession:
     lock: threading.Lock = field(default_factory=threading.Lock)  # one Prefill/Verify of a session at a time
     slot: int = -1  # its KV slot, taken on the model thread by the first Prefill tick
     released: bool = False
+    answered_at: float = 0.0  # perf_counter when its last request was answered
 
     @property
     def committed_length(self) -> int:
@@ -68,6 +71,14 @@ class BatchStats:
     forwards: int = 0
     rows: int = 0
     max_rows: int = 0  # most rows in one forward
+    tokens: int = 0  # padded tokens through the forwards
+    forward_ms: float = 0.0  # summed forward wall time
+    think_ms: float = 0.0  # summed time from answering a session to its next Verify (what batch_wait_ms must cover)
+    thinks: int = 0
+
+    @property
+    def mean_think_ms(self) -> float:
+        return self.think_ms / max(self.thinks, 1)
 
 
 @dataclass(eq=False)
@@ -108,7 +119,7 @@ class TargetEngine:
         self._queued_prefill_tokens = 0
         cfg = self.config
         self._scheduler = Scheduler(self._tick, cfg.max_batch, cfg.max_batch_tokens, cfg.batch_wait_ms / 1e3,
-                                    live_sessions=self.num_sessions)
+                                    live_sessions=self._active_sessions)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -122,6 +133,11 @@ class TargetEngine:
 
     def close(self) -> None:
         self._scheduler.close()
+
+    def _active_sessions(self) -> int:
+        """Sessions a tick may wait for: those answered within the last ACTIVE_WINDOW_S (an idle one is not)."""
+        recent = time.perf_counter() - ACTIVE_WINDOW_S
+        return sum(s.answered_at > recent for s in list(self._sessions.values()))
 
     # -- the API (any thread) ------------------------------------------------------------------------
     def prefill(self, session_id: str, prompt_token_ids: list[int],
@@ -233,6 +249,7 @@ class TargetEngine:
                         self._fail(work, err)
                         continue
                 if work.done == len(work.token_ids):  # a one-token prompt: nothing to cache
+                    session.answered_at = time.perf_counter()
                     work.future.set_result((session.committed_length, _ms_since(work.enqueued)))
                     continue
                 rows.append(prefill_row(session.slot, work.done, work.token_ids[work.done:work.done + work.tokens]))
@@ -240,6 +257,8 @@ class TargetEngine:
             else:
                 rows.append(verify_row(session.slot, session.cached_length, session.token_ids[-1], work.tree))
                 owners.append(work)
+                self.stats.think_ms += (work.enqueued - session.answered_at) * 1e3
+                self.stats.thinks += 1
         self.stats.ticks += 1
         continuing: list[Work] = []
         for group in plan_forwards([len(r) for r in rows], self.config.forward_overhead_tokens):
@@ -250,8 +269,9 @@ class TargetEngine:
                 for i in group:
                     self._fail(owners[i], err)
                 continue
-            shares = cost_shares([len(rows[i]) for i in group], self.config.forward_overhead_tokens,
-                                 _ms_since(start))
+            forward_ms = _ms_since(start)
+            self.stats.forward_ms += forward_ms
+            shares = cost_shares([len(rows[i]) for i in group], self.config.forward_overhead_tokens, forward_ms)
             for b, i in enumerate(group):
                 work = owners[i]
                 if isinstance(work, _Prefill):
@@ -262,6 +282,7 @@ class TargetEngine:
                 except BaseException as err:
                     self._fail(work, err)
                     continue
+                work.session.answered_at = time.perf_counter()
                 work.future.set_result(VerifyResult(verdict, work.session.committed_length, _ms_since(work.enqueued),
                                                     (tick_start - work.enqueued) * 1e3, shares[b]))
         return continuing
@@ -277,6 +298,7 @@ class TargetEngine:
             kwargs["logits_to_keep"] = 0 if keep == q_len else torch.arange(keep, device=self.device)
         self.stats.forwards += 1
         self.stats.rows += len(rows)
+        self.stats.tokens += inputs.input_ids.numel()
         self.stats.max_rows = max(self.stats.max_rows, len(rows))
         out = self.model(
             input_ids=inputs.input_ids,  # [B, Q]
@@ -309,6 +331,7 @@ class TargetEngine:
         if work.tokens:
             continuing.append(work)
         else:
+            work.session.answered_at = time.perf_counter()
             work.future.set_result((work.session.committed_length, _ms_since(work.enqueued)))
 
     def _fail(self, work: Work, err: BaseException) -> None:
