@@ -18,7 +18,7 @@ from opentelemetry import trace
 from orchestrator.controller import BudgetController
 from orchestrator.detok import TextStream
 from specsplit.config import OrchestratorConfig
-from specsplit.errors import FailedPrecondition, InvalidArgument
+from specsplit.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from specsplit.rpc import DraftInfo, RpcError, VerifierInfo
 from specsplit.sampling import SamplingParams
 from specsplit.stream import Chunk, RoundStats
@@ -166,12 +166,15 @@ class Orchestrator:
                 span.set_attribute("specsplit.round", session.round)
                 budget = controller.choose(remaining - 1) if session.draft_usable() else 0
                 tree, draft_ms = self._propose(session, budget)
-                verdict, verify_ms = self.verifier.verify(
+                verdict, timing = self.verifier.verify(
                     session.id, tree, len(session.token_ids), remaining, timeout=self.config.verify_timeout_s
                 )
                 committed = list(verdict.committed_token_ids)
-                controller.observe(len(tree), len(verdict.accepted_nodes), _branch_depth(tree, verdict), verify_ms,
-                                   draft_ms if tree else None)
+                # The tree's real cost is its share of the verifier's batched forward: under load the fixed
+                # cost of a forward is shared by many sessions, drafted tokens are relatively dearer, and the
+                # controller drafts less (an older verifier reports no share: use its time).
+                controller.observe(len(tree), len(verdict.accepted_nodes), _branch_depth(tree, verdict),
+                                   timing.cost_ms or timing.verify_ms, draft_ms if tree else None)
                 session.token_ids.extend(committed)
                 session.unsent.extend(committed)
                 span.set_attribute("specsplit.num_draft_tokens", len(tree))
@@ -190,7 +193,7 @@ class Orchestrator:
             if finish:
                 text += stream.finish() if finish != "stop" else ""
             stats = RoundStats(session.round, len(tree), len(verdict.accepted_nodes), len(kept), draft_ms or 0.0,
-                               verify_ms, session.drafter_name(self) if tree else "none", tree.depth)
+                               timing.verify_ms, session.drafter_name(self) if tree else "none", tree.depth)
             yield Chunk(text, kept, stats=stats, finish_reason=finish)
             if finish:
                 return
@@ -201,8 +204,14 @@ class Orchestrator:
 
     def _prefill(self, session_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         with tracer.start_as_current_span("specsplit.orchestrator.prefill"):
-            self.verifier.prefill(session_id, prompt_token_ids, timeout=self.config.prefill_timeout_s,
-                                  sampling=sampling)
+            try:
+                self.verifier.prefill(session_id, prompt_token_ids, timeout=self.config.prefill_timeout_s,
+                                      sampling=sampling)
+            except RpcError as err:
+                if hasattr(err, "code") and err.code().name == "RESOURCE_EXHAUSTED":
+                    # The verifier is full: say so at once, so the caller can retry later or elsewhere.
+                    raise ResourceExhausted(f"the verifier is at capacity: {err.details()}") from None
+                raise
 
     def _start_draft(self, session) -> None:
         try:

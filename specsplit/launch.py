@@ -18,7 +18,8 @@ def start_verifier(loaded: LoadedModel, address: str = "127.0.0.1:0", config: Ve
     from verifier_service.servicer import VerifierServicer, registration
 
     engine = TargetEngine(loaded, config)
-    server = Server(address, [registration(VerifierServicer(engine))])
+    # Every session may have a Prefill or Verify waiting on the batch: one server thread each, plus spares.
+    server = Server(address, [registration(VerifierServicer(engine))], max_workers=engine.config.max_sessions + 16)
     server.core = engine
     return server
 
@@ -57,7 +58,8 @@ def start_orchestrator(verifier_address: str, draft_addresses: list[str], tokeni
 
     orchestrator = Orchestrator(RemoteVerifier(verifier_address), [RemoteDraft(a) for a in draft_addresses],
                                 tokenizer, config)
-    return Server(address, [registration(OrchestratorServicer(orchestrator))])
+    max_streams = (config or OrchestratorConfig()).max_streams
+    return Server(address, [registration(OrchestratorServicer(orchestrator))], max_workers=max_streams + 8)
 
 
 @dataclass
@@ -83,6 +85,7 @@ class Stack:
     def close(self) -> None:
         for server in [self.orchestrator, *self.drafts, self.verifier]:
             server.stop(grace=1.0)
+        self.verifier.core.close()  # the verifier's model thread
 
     def __enter__(self) -> "Stack":
         return self
