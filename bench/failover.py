@@ -107,6 +107,7 @@ def bench_restore(context: int, repeats: int) -> dict:
                             "restore_ms": statistics.median(restore_ms), "identical_next_16": continued == reference}
     finally:
         server.stop(0)
+        server.core.close()  # the verifier's model thread
         redis_proc.terminate()
         redis_proc.wait()
     return result

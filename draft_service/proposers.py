@@ -152,9 +152,9 @@ class ModelProposer:
     def end(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
 
-    def _forward(self, input_ids, position_ids, mask, cache) -> torch.Tensor:
+    def _forward(self, input_ids, position_ids, mask, cache, logits_to_keep: int = 0) -> torch.Tensor:
         out = self._runner(self.model, input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                           use_cache=True, **{self._cache_kwarg: cache})
+                           use_cache=True, logits_to_keep=logits_to_keep, **{self._cache_kwarg: cache})
         return out.logits[0].float()  # [Q, V]
 
     def propose(self, session_id: str, token_ids: list[int], max_nodes: int) -> TokenTree:
@@ -200,7 +200,7 @@ class ModelProposer:
         return TokenTree(tuple(tokens), tuple(parents), tuple(draft_probs), tuple(node_q) if sampled else ())
 
     def _catch_up(self, session: _ModelSession, token_ids: list[int]) -> torch.Tensor:
-        """Bring the cache to the committed tokens; return the logits of the tokens run ([U, V])."""
+        """Bring the cache to the committed tokens; return the next-token logits after the last one ([1, V])."""
         common = 0
         for a, b in zip(session.cached, token_ids):
             if a != b:
@@ -211,7 +211,7 @@ class ModelProposer:
         device = self.model.device
         ids = torch.tensor([token_ids[common:]], dtype=torch.long, device=device)  # [1, U]
         positions = torch.arange(common, len(token_ids), device=device).unsqueeze(0)  # [1, U]
-        logits = self._forward(ids, positions, None, session.cache)  # [U, V]
+        logits = self._forward(ids, positions, None, session.cache, logits_to_keep=1)  # [1, V]
         session.cached = list(token_ids)
         return logits
 

@@ -4,7 +4,8 @@ Each round ends with a compare-and-set write of the session's state to the sessi
 number is the fencing token) *before* its tokens are streamed. A client whose orchestrator died
 resumes on any orchestrator sharing the store, saying how many generated tokens it has; the stream
 continues from there, so no token is lost and none is repeated. A verifier replica that dies moves its
-sessions to another replica (``orchestrator.placement``). The loop talks to services through the typed
+sessions to another replica (``orchestrator.placement``); draft services are handled by
+``orchestrator.drafts``. The loop talks to services through the typed
 adapters in ``specsplit.rpc`` and never sees protobuf.
 """
 
@@ -20,12 +21,13 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 
 from orchestrator.detok import TextStream
+from orchestrator.drafts import DraftMixin
 from orchestrator.placement import KvPlacement
 from orchestrator.replicas import ReplicaSet
 from orchestrator.session import LiveSession, controller_from_state, text_stream_at
 from specsplit.config import OrchestratorConfig
 from specsplit.errors import FailedPrecondition, InvalidArgument, NotFound, SpecSplitError, StaleRound, Unavailable
-from specsplit.rpc import DraftInfo, RpcError, VerifierInfo
+from specsplit.rpc import RpcError, VerifierInfo
 from specsplit.sampling import SamplingParams
 from specsplit.store import CANCELLED, DETACHED, FINISHED, RUNNING, TERMINAL, InMemoryStore, SessionState, update
 from specsplit.stream import Chunk, RoundStats
@@ -33,8 +35,6 @@ from specsplit.tree import TokenTree
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
-
-DRAFT_CHOICES = ("auto", "ngram", "model", "none")
 
 
 @dataclass
@@ -54,7 +54,7 @@ class _CancelledElsewhere(Exception):
     """A Cancel call (possibly on another orchestrator) cancelled the session between two rounds."""
 
 
-class Orchestrator:
+class Orchestrator(DraftMixin):
     def __init__(self, verifiers, drafts: list, tokenizer, config: OrchestratorConfig | None = None, store=None):
         """verifiers: RemoteVerifier replicas (or one); drafts: RemoteDraft objects in "auto" preference
         order; store: a SessionStore (default: an in-process one)."""
@@ -87,38 +87,6 @@ class Orchestrator:
             else:
                 raise Unavailable(f"no verifier replica answered ({'; '.join(errors)}); retry later")
         return self._verifier_info
-
-    def draft_names(self) -> list[str]:
-        names = []
-        for draft in self.drafts:
-            info = self._draft_info_of(draft)
-            if info is not None:
-                names.append(info.drafter)
-        return names
-
-    def _draft_info_of(self, draft) -> DraftInfo | None:
-        if id(draft) not in self._draft_info:
-            try:
-                self._draft_info[id(draft)] = draft.info(timeout=self.config.draft_timeout_s)
-            except RpcError as err:
-                log.warning("draft service %s unreachable: %s", draft.address, err.code())
-                return None
-        return self._draft_info[id(draft)]
-
-    def pick_draft(self, choice: str):
-        """The draft service for a request's --draft choice (None: target-only)."""
-        if choice not in DRAFT_CHOICES:
-            raise InvalidArgument(f"unknown draft {choice!r}; choose one of {', '.join(DRAFT_CHOICES)}")
-        if choice == "none" or not self.drafts:
-            return None
-        if choice == "auto":
-            return self.drafts[0]
-        for draft in self.drafts:
-            info = self._draft_info_of(draft)
-            if info is not None and info.drafter == choice:
-                return draft
-        raise InvalidArgument(f"no {choice!r} draft service is configured; this orchestrator has: "
-                              f"{', '.join(self.draft_names()) or 'none'} (use --draft none or auto)")
 
     def prompt_token_ids(self, prompt: str = "", messages: list[dict] | None = None,
                          token_ids: list[int] | None = None, chat_template: bool = True) -> list[int]:
@@ -322,10 +290,13 @@ class Orchestrator:
                 span.set_attribute("specsplit.round", state.rounds)
                 budget = session.controller.choose(remaining - 1) if session.draft_usable() else 0
                 tree, draft_ms = self._propose(session, budget)
-                verdict, verify_ms = self.placement.verify(session, tree, remaining)
+                verdict, timing = self.placement.verify(session, tree, remaining)
                 committed = list(verdict.committed_token_ids)
+                # The tree's real cost is its share of the verifier's batched forward: under load the fixed
+                # cost of a forward is shared by many sessions, drafted tokens are relatively dearer, and the
+                # controller drafts less (an older verifier reports no share: use its time).
                 session.controller.observe(len(tree), len(verdict.accepted_nodes), _branch_depth(tree, verdict),
-                                           verify_ms, draft_ms if tree else None)
+                                           timing.cost_ms or timing.verify_ms, draft_ms if tree else None)
                 span.set_attribute("specsplit.num_draft_tokens", len(tree))
                 span.set_attribute("specsplit.num_accepted", len(verdict.accepted_nodes))
             session.unsent.extend(committed)
@@ -351,7 +322,7 @@ class Orchestrator:
                 yield Chunk("", [], finish_reason="cancelled")
                 return
             stats = RoundStats(state.rounds, len(tree), len(verdict.accepted_nodes), len(kept), draft_ms or 0.0,
-                               verify_ms, self._drafter_name(session) if tree else "none", tree.depth)
+                               timing.verify_ms, self._drafter_name(session) if tree else "none", tree.depth)
             if kept or text or finish:
                 yield Chunk(text, kept, stats=stats, finish_reason=finish)
             if finish:
@@ -370,72 +341,6 @@ class Orchestrator:
         kept, text, hit = session.stream.add(tokens)
         return hidden, kept, text, hit
 
-    # -- drafts --------------------------------------------------------------------------------------
-    def _max_nodes(self, draft) -> int:
-        info = self._draft_info_of(draft) if draft is not None else None
-        draft_max = info.max_nodes if info is not None and info.max_nodes else 64
-        return min(self.verifier_info.max_tree_nodes, draft_max)
-
-    def _drafter_name(self, session: LiveSession) -> str:
-        info = self._draft_info_of(session.draft) if session.draft is not None else None
-        return info.drafter if info else "none"
-
-    def _start_draft(self, session: LiveSession) -> None:
-        try:
-            session.draft.start(session.id, session.token_ids, self.verifier_info.tokenizer_fingerprint,
-                                timeout=self.config.draft_timeout_s, sampling=session.sampling)
-            session.unsent = []
-            session.state.draft_down_until = 0
-        except RpcError as err:
-            if _is_refusal(err):
-                raise FailedPrecondition(f"draft service {session.draft.address} refused the session: {err.details()}") from None
-            self._draft_failed(session, err)
-
-    def _propose(self, session: LiveSession, budget: int) -> tuple[TokenTree, float | None]:
-        state = session.state
-        if session.draft is None:
-            return TokenTree.empty(), None
-        if state.draft_down_until:
-            if state.round < state.draft_down_until:
-                return TokenTree.empty(), None
-            session.draft = self._draft_replica_after(session.draft)
-            self._start_draft(session)  # the draft service may have restarted: start over from all tokens
-            if state.draft_down_until:
-                return TokenTree.empty(), None
-        if budget <= 0:
-            return TokenTree.empty(), None  # no call: committed tokens travel with the next Propose
-        try:
-            tree, draft_ms = session.draft.propose(session.id, session.unsent, len(session.token_ids), budget,
-                                                   timeout=self.config.draft_timeout_s)
-        except RpcError as err:
-            self._draft_failed(session, err)
-            return TokenTree.empty(), None
-        session.unsent = []
-        return tree, draft_ms
-
-    def _draft_replica_after(self, draft):
-        """The next draft service of the same kind (a replica; any kind if this one's is unknown), in order."""
-        if len(self.drafts) < 2:
-            return draft
-        kind = self._draft_info_of(draft)
-        same = [d for d in self.drafts if d is draft or kind is None or self._draft_info_of(d) == kind]
-        return same[(same.index(draft) + 1) % len(same)]
-
-    def _draft_failed(self, session: LiveSession, err) -> None:
-        code = err.code() if hasattr(err, "code") else err
-        log.warning("draft %s failed for session %s (%s); target-only decoding for %d rounds",
-                    session.draft.address, session.id, code, self.config.draft_retry_rounds)
-        trace.get_current_span().add_event("specsplit.draft_fallback", {"grpc.status": str(code)})
-        session.state.draft_down_until = session.state.round + self.config.draft_retry_rounds
-
-    def _end_draft(self, session: LiveSession) -> None:
-        if session.draft is not None and not session.state.draft_down_until:
-            try:
-                session.draft.end(session.id, timeout=self.config.draft_timeout_s)
-            except RpcError:
-                pass
-
-
 def _branch_depth(tree: TokenTree, verdict) -> int:
     """Depth of the branch acceptance followed (the deepest branch when nothing was accepted)."""
     if not len(tree):
@@ -445,9 +350,3 @@ def _branch_depth(tree: TokenTree, verdict) -> int:
     last = verdict.accepted_nodes[-1]
     below = [d for i, d in enumerate(tree.depths) if last in tree.path_to(i)]
     return max(below)
-
-
-def _is_refusal(err) -> bool:
-    import grpc
-
-    return hasattr(err, "code") and err.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)

@@ -3,7 +3,8 @@
 A cache is rebuilt from the session's committed tokens, either by prefill (one forward over them) or by
 importing a copy offloaded to the session store earlier, whichever has been faster here. Every call
 to a replica has a deadline; UNAVAILABLE or DEADLINE_EXCEEDED marks the replica down and the session
-moves to another one. NOT_FOUND or FAILED_PRECONDITION from Verify means the replica's cache is gone
+moves to another one; RESOURCE_EXHAUSTED (a full replica) tries the next one, and is the answer
+when every replica is full. NOT_FOUND or FAILED_PRECONDITION from Verify means the replica's cache is gone
 or out of step with the store (swept, restarted, or advanced by an orchestrator that then died before
 it could commit): the cache is rebuilt from the store's tokens.
 """
@@ -19,7 +20,7 @@ from opentelemetry import trace
 
 from orchestrator.replicas import Replica, ReplicaSet
 from specsplit.config import OrchestratorConfig
-from specsplit.errors import Unavailable
+from specsplit.errors import ResourceExhausted, Unavailable
 from specsplit.rpc import RpcError
 
 log = logging.getLogger(__name__)
@@ -84,8 +85,11 @@ class KvPlacement:
                 if code in DOWN:
                     self.replicas.mark_down(replica, f"{code.name} during restore")
                     continue
-                if code == grpc.StatusCode.RESOURCE_EXHAUSTED and len(tried) < len(self.replicas.replicas):
-                    continue  # this replica is full: try another
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    if len(tried) < len(self.replicas.replicas):
+                        continue  # this replica is full: try another
+                    # Every replica is full: say so at once, so the caller can retry later or elsewhere.
+                    raise ResourceExhausted(f"the verifier is at capacity: {err.details()}") from None
                 raise
             replica.healthy = True
             self._place(session, replica)

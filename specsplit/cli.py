@@ -87,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "(env SPECSPLIT_DRAFTS; empty: target-only)")
     serve.add_argument("--max-tree-nodes", type=int, default=64, help="verifier/draft: largest tree (default 64)")
     serve.add_argument("--max-sessions", type=int, default=256, help="verifier: concurrent sessions (default 256)")
+    serve.add_argument("--max-batch", type=int, default=32,
+                       help="verifier: sessions verified in one batch (default 32; 1 = one request at a time)")
+    serve.add_argument("--batch-wait-ms", type=float, default=40.0,
+                       help="verifier: how long a batch waits at most for its other active sessions (default 40)")
+    serve.add_argument("--max-batch-tokens", type=int, default=512, help="verifier: tokens per batch (default 512)")
     _model_flags(serve)
     return parser
 
@@ -205,6 +210,8 @@ def serve(args) -> int:
     if args.service == "verifier":
         target = launch.load_model(args.target_model, args.device, args.dtype)
         config = VerifierConfig(max_tree_nodes=args.max_tree_nodes, max_sessions=args.max_sessions,
+                                max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
+                                max_batch_tokens=args.max_batch_tokens,
                                 idle_timeout_s=args.idle_timeout)
         server = launch.start_verifier(target, args.listen, config)
     elif args.service == "draft":

@@ -11,6 +11,23 @@ class VerifierConfig:
     max_sessions: int = 256  # each session holds a KV cache; past this, Prefill answers RESOURCE_EXHAUSTED
     max_context: int = 0  # 0: the model's max_position_embeddings
     idle_timeout_s: float = 300.0  # a session untouched this long lost its orchestrator: free its KV cache
+    # Batching: one forward serves the pending Verify (and Prefill chunks) of many sessions.
+    max_batch: int = 32  # rows (sessions) per scheduler tick; 1 = one request at a time
+    # Most a tick waits for active sessions' next Verify (it stops once all are in): their orchestrator
+    # and draft round trips take ~1.5 ms each on 2 CPU cores and queue on the GIL, ~25 ms for 16 sessions.
+    batch_wait_ms: float = 40.0
+    max_batch_tokens: int = 512  # tokens per tick (~1 s of SmolLM2 on 2 CPU cores); bounds everyone's latency
+    prefill_chunk: int = 128  # a long prompt is cached this many tokens per tick, so it never stalls verification
+    max_queued_prefill_tokens: int = 16384  # prompt tokens waiting to be cached; past this Prefill is refused at once
+    forward_overhead_tokens: int = 32  # a forward's fixed cost in tokens (CPU: ~50 ms weight reads / ~1.7 ms a token)
+    kv_grow_tokens: int = 256  # slot capacity grows in steps of this many positions
+
+    def validate(self) -> None:
+        if self.max_batch < 1 or self.max_sessions < 1:
+            raise ValueError("max_batch and max_sessions must be >= 1")
+        if not 0 < self.prefill_chunk <= self.max_batch_tokens or self.max_tree_nodes + 1 > self.max_batch_tokens:
+            raise ValueError(f"max_batch_tokens={self.max_batch_tokens} must hold a prefill chunk "
+                             f"({self.prefill_chunk}) and a whole tree (max_tree_nodes + 1 = {self.max_tree_nodes + 1})")
 
 
 @dataclass
@@ -37,6 +54,7 @@ class OrchestratorConfig:
     offload_idle: bool = True  # a detached session's KV cache moves to the session store, freeing the replica
     offload_min_tokens: int = 256  # below this, re-prefill is about as fast as a restore: not worth the bytes
     offload_dtype: str = ""  # "" keeps the cache's dtype (token-identical); "float16" halves an fp32 blob
+    max_streams: int = 256  # concurrent Generate streams (each holds a server thread); matches the verifier's sessions
 
     def default_new_tokens(self) -> int:
         return min(self.default_max_new_tokens, self.max_new_tokens_limit)

@@ -18,7 +18,8 @@ def start_verifier(loaded: LoadedModel, address: str = "127.0.0.1:0", config: Ve
     from verifier_service.servicer import VerifierServicer, registration
 
     engine = TargetEngine(loaded, config)
-    server = Server(address, [registration(VerifierServicer(engine))])
+    # Every session may have a Prefill or Verify waiting on the batch: one server thread each, plus spares.
+    server = Server(address, [registration(VerifierServicer(engine))], max_workers=engine.config.max_sessions + 16)
     server.core = engine
     return server
 
@@ -62,7 +63,8 @@ def start_orchestrator(verifier_addresses: str | list[str], draft_addresses: lis
         verifier_addresses = [verifier_addresses]
     orchestrator = Orchestrator([RemoteVerifier(a) for a in verifier_addresses],
                                 [RemoteDraft(a) for a in draft_addresses], tokenizer, config, store)
-    server = Server(address, [registration(OrchestratorServicer(orchestrator))])
+    max_streams = (config or OrchestratorConfig()).max_streams
+    server = Server(address, [registration(OrchestratorServicer(orchestrator))], max_workers=max_streams + 8)
     server.core = orchestrator
     return server
 
@@ -99,6 +101,8 @@ class Stack:
         self.orchestrator.core.close()
         for server in [*self.drafts, *self.verifiers]:
             server.stop(grace=1.0)
+        for server in self.verifiers:
+            server.core.close()  # each verifier's model thread
 
     def __enter__(self) -> "Stack":
         return self

@@ -60,13 +60,22 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(msg.temperature, msg.top_k, msg.top_p or 1.0, msg.seed if msg.HasField("seed") else None)
 
 
-def verdict_to_pb(verdict: Verdict, committed_length: int, verify_ms: float) -> verifier_pb2.VerifyResponse:
+@dataclass(frozen=True)
+class VerifyTiming:
+    verify_ms: float  # arrival to answer in the verifier, queueing included
+    queue_ms: float = 0.0  # of which waiting for the batch it rode in
+    cost_ms: float = 0.0  # its share of the batched forward (0: the verifier did not say)
+
+
+def verdict_to_pb(verdict: Verdict, committed_length: int, timing: VerifyTiming) -> verifier_pb2.VerifyResponse:
     return verifier_pb2.VerifyResponse(
         accepted_token_ids=verdict.accepted_token_ids,
         accepted_node_indices=verdict.accepted_nodes,
         next_token_id=verdict.next_token_id,
         committed_length=committed_length,
-        verify_ms=verify_ms,
+        verify_ms=timing.verify_ms,
+        queue_ms=timing.queue_ms,
+        cost_ms=timing.cost_ms,
     )
 
 
@@ -163,13 +172,13 @@ class RemoteVerifier:
         return r.committed_length
 
     def verify(self, session_id: str, tree: TokenTree, expected_committed_length: int, max_commit: int,
-               timeout: float) -> tuple[Verdict, float]:
+               timeout: float) -> tuple[Verdict, VerifyTiming]:
         r = self.stub.Verify(
             verifier_pb2.VerifyRequest(session_id=session_id, tree=tree_to_pb(tree),
                                        expected_committed_length=expected_committed_length, max_commit=max_commit),
             timeout=timeout,
         )
-        return verdict_from_pb(r), r.verify_ms
+        return verdict_from_pb(r), VerifyTiming(r.verify_ms, r.queue_ms, r.cost_ms)
 
     def release(self, session_id: str, timeout: float) -> bool:
         return self.stub.Release(verifier_pb2.ReleaseRequest(session_id=session_id), timeout=timeout).released

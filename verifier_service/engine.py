@@ -1,13 +1,27 @@
-"""The target side: per-session KV caches, one tree forward per Verify, greedy acceptance, compaction.
+"""The target side: sessions in KV slots, batched tree verification, greedy/sampled acceptance, compaction.
 
-A session's cache holds every committed token except the last one (the *pending* token). Verify runs
-the pending token (the tree's root) plus all tree nodes in one forward, accepts, then compacts the cache
-to prefix + root + accepted path; the recovered/bonus token becomes the new pending token. An empty tree
-is therefore exactly one step of plain decoding.
+A session's slot holds every committed token except the last one (the *pending* token). Verify runs
+the pending token (the tree's root) plus all tree nodes, accepts, then compacts the slot to prefix +
+root + accepted path; the recovered/bonus token becomes the new pending token. An empty tree is
+therefore exactly one step of plain decoding.
+
+Verify and Prefill calls from many sessions are batched: the scheduler (``verifier_service.scheduler``)
+gathers them into ticks on the one model thread; each tick's rows are split into padded forwards
+(``batching.plan_forwards``) over the slot cache (``verifier_service.slots``), and every request is
+answered with exactly its own result. Prefill is cached ``prefill_chunk`` tokens per tick, riding
+along with everyone's verification.
+
+A session's cache can also leave and arrive as bytes (``verifier_service.offload``): ExportSession
+copies its slot's cached positions, ImportSession writes them into a fresh slot (no forward). Both
+touch the slot store on the model thread only, as a tick's bookkeeping work, like Release.
+
+A sampled session with a seed reseeds its generator every round from (seed, committed length), so
+another replica (after failover, an import or a re-prefill) continues with exactly the same draws.
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from dataclasses import dataclass, field
@@ -15,37 +29,95 @@ from dataclasses import dataclass, field
 import torch
 from opentelemetry import trace
 
-from specsplit import kvcache
 from specsplit.accept import Verdict, accept_greedy
 from specsplit.config import VerifierConfig
 from specsplit.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from specsplit.models import LoadedModel
 from specsplit.sampling import SamplingParams, accept_sampled, distribution, round_seed
-from specsplit.runner import ModelRunner
-from specsplit.tree import TokenTree, build_buffers, full_attention_mask
+from specsplit.tree import TokenTree
 from verifier_service import offload
+from verifier_service.batching import Row, batch_inputs, cost_shares, plan_forwards, prefill_row, verify_row
+from verifier_service.scheduler import Scheduler, Work
+from verifier_service.slots import SlotBatch, SlotStore
 
 tracer = trace.get_tracer(__name__)
 
+ACTIVE_WINDOW_S = 1.0  # a session answered this recently is expected back within batch_wait_ms
 
-@dataclass
+
+@dataclass(eq=False)
 class TargetSession:
-    cache: object  # transformers Cache holding committed tokens [0, committed_length - 1)
     token_ids: list[int]  # [committed_length] prompt + generated
     sampling: SamplingParams = field(default_factory=SamplingParams)
     generator: torch.Generator | None = None  # the session's RNG (sampling only)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one Prefill/Verify of a session at a time
+    slot: int = -1  # its KV slot, taken on the model thread by the first Prefill tick
+    released: bool = False
+    answered_at: float = 0.0  # perf_counter when its last request was answered
 
     @property
     def committed_length(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def cached_length(self) -> int:
+        return len(self.token_ids) - 1  # the pending token is not cached
 
 
 @dataclass(frozen=True)
 class VerifyResult:
     verdict: Verdict
     committed_length: int
-    verify_ms: float
+    verify_ms: float  # arrival to answer: queueing + forward + acceptance
+    queue_ms: float = 0.0  # waiting for the tick this request rode in
+    cost_ms: float = 0.0  # this request's share of its forward (fixed cost split by rows, the rest by tokens)
+
+
+@dataclass
+class BatchStats:
+    ticks: int = 0
+    forwards: int = 0
+    rows: int = 0
+    max_rows: int = 0  # most rows in one forward
+    tokens: int = 0  # padded tokens through the forwards
+    forward_ms: float = 0.0  # summed forward wall time
+    think_ms: float = 0.0  # summed time from answering a session to its next Verify (what batch_wait_ms must cover)
+    thinks: int = 0
+
+    @property
+    def mean_think_ms(self) -> float:
+        return self.think_ms / max(self.thinks, 1)
+
+
+@dataclass(eq=False)
+class _Prefill(Work):
+    session: TargetSession | None = None
+    token_ids: list[int] = field(default_factory=list)  # [P-1] what to cache: the prompt less its last token
+    done: int = 0
+
+
+@dataclass(eq=False)
+class _Verify(Work):
+    session: TargetSession | None = None
+    tree: TokenTree = field(default_factory=TokenTree.empty)
+    max_commit: int = 0
+
+
+@dataclass(eq=False)
+class _Release(Work):
+    session: TargetSession | None = None
+
+
+@dataclass(eq=False)
+class _Export(Work):
+    session: TargetSession | None = None
+    dtype: torch.dtype | None = None  # the blob's dtype (None: the cache's own)
+
+
+@dataclass(eq=False)
+class _Import(Work):
+    session: TargetSession | None = None
+    layers: offload.Layers = field(default_factory=list)  # per layer [H_kv, L, D] keys and values (CPU)
 
 
 class TargetEngine:
@@ -53,14 +125,21 @@ class TargetEngine:
         self.loaded = loaded
         self.model = loaded.model
         self.config = config or VerifierConfig()
+        self.config.validate()
         self.vocab_size = int(self.model.config.vocab_size)
         self.max_context = self.config.max_context or int(getattr(self.model.config, "max_position_embeddings", 2048))
         self.device = self.model.device
         self.dtype = self.model.dtype
-        self._cache_kwarg = kvcache.cache_kwarg(self.model)
+        self.stats = BatchStats()
+        self._num_layers = int(self.model.config.num_hidden_layers)
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self._store = SlotStore(self.config.max_sessions, self.config.kv_grow_tokens)
         self._sessions: dict[str, TargetSession] = {}
         self._sessions_lock = threading.Lock()
-        self._runner = ModelRunner("verifier")  # every forward on one thread, one at a time
+        self._queued_prefill_tokens = 0
+        cfg = self.config
+        self._scheduler = Scheduler(self._tick, cfg.max_batch, cfg.max_batch_tokens, cfg.batch_wait_ms / 1e3,
+                                    live_sessions=self._active_sessions)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -72,35 +151,48 @@ class TargetEngine:
     def num_sessions(self) -> int:
         return len(self._sessions)
 
-    def _forward(self, input_ids, position_ids, attention_mask, cache) -> torch.Tensor:
-        """[1, Q, V] logits for Q new tokens on top of ``cache`` (which grows by Q)."""
-        out = self._runner(
-            self.model,
-            input_ids=input_ids,  # [1, Q]
-            position_ids=position_ids,  # [1, Q]
-            attention_mask=attention_mask,  # [1, 1, Q, P+Q] or None (causal)
-            use_cache=True,
-            **{self._cache_kwarg: cache},
-        )
-        return out.logits  # [1, Q, V]
+    def close(self) -> None:
+        self._scheduler.close()
 
+    def _active_sessions(self) -> int:
+        """Sessions a tick may wait for: those answered within the last ACTIVE_WINDOW_S (an idle one is not)."""
+        recent = time.perf_counter() - ACTIVE_WINDOW_S
+        return sum(s.answered_at > recent for s in list(self._sessions.values()))
+
+    # -- the API (any thread) ------------------------------------------------------------------------
     def prefill(self, session_id: str, prompt_token_ids: list[int],
                 sampling: SamplingParams | None = None) -> tuple[int, float]:
         """Cache the prompt (all but its last token, which becomes the pending token)."""
         sampling = sampling or SamplingParams()
         sampling.validate()
+        self._check_new(session_id, prompt_token_ids)
+        to_cache = list(prompt_token_ids[:-1])
+        session = self._admit(session_id, prompt_token_ids, sampling, len(to_cache))
+        work = _Prefill(session, min(len(to_cache), self.config.prefill_chunk), session=session, token_ids=to_cache)
+        try:
+            with session.lock, tracer.start_as_current_span("specsplit.verifier.prefill") as span:
+                span.set_attribute("gen_ai.usage.input_tokens", len(prompt_token_ids))
+                return self._scheduler.submit(work).result()
+        except BaseException:
+            self.release(session_id)
+            raise
+
+    def _check_new(self, session_id: str, token_ids: list[int]) -> None:
         if not session_id:
             raise InvalidArgument("session_id is empty")
-        if not prompt_token_ids:
+        if not token_ids:
             raise InvalidArgument("prompt is empty: give at least one token")
-        if len(prompt_token_ids) >= self.max_context:
+        if len(token_ids) >= self.max_context:
             raise InvalidArgument(
-                f"prompt has {len(prompt_token_ids)} tokens; this model's context holds {self.max_context} "
+                f"prompt has {len(token_ids)} tokens; this model's context holds {self.max_context} "
                 "(prompt + generated); shorten the prompt"
             )
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidArgument(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+
+    def _admit(self, session_id: str, token_ids: list[int], sampling: SamplingParams, to_cache: int) -> TargetSession:
+        """Register a new session (refused when the id is taken or the verifier is full)."""
         with self._sessions_lock:
             if session_id in self._sessions:
                 raise FailedPrecondition(f"session {session_id!r} already exists; Release it or use a new id")
@@ -109,21 +201,17 @@ class TargetEngine:
                     f"verifier holds {len(self._sessions)} sessions (max_sessions={self.config.max_sessions}); "
                     "retry later or on another replica"
                 )
-            session = TargetSession(cache=kvcache.new_cache(self.model), token_ids=list(prompt_token_ids),
-                                    sampling=sampling, generator=_generator(sampling))
+            if to_cache and self._queued_prefill_tokens and \
+                    self._queued_prefill_tokens + to_cache > self.config.max_queued_prefill_tokens:
+                raise ResourceExhausted(
+                    f"verifier has {self._queued_prefill_tokens} prompt tokens waiting to be cached "
+                    f"(max_queued_prefill_tokens={self.config.max_queued_prefill_tokens}); retry later or on "
+                    "another replica"
+                )
+            session = TargetSession(list(token_ids), sampling, _generator(sampling))
             self._sessions[session_id] = session
-        start = time.perf_counter()
-        try:
-            with session.lock, tracer.start_as_current_span("specsplit.verifier.prefill") as span:
-                span.set_attribute("gen_ai.usage.input_tokens", len(prompt_token_ids))
-                if len(prompt_token_ids) > 1:
-                    ids = torch.tensor([prompt_token_ids[:-1]], dtype=torch.long, device=self.device)  # [1, P-1]
-                    positions = torch.arange(ids.shape[1], device=self.device).unsqueeze(0)  # [1, P-1]
-                    self._forward(ids, positions, None, session.cache)
-        except BaseException:
-            self.release(session_id)
-            raise
-        return session.committed_length, (time.perf_counter() - start) * 1e3
+            self._queued_prefill_tokens += to_cache
+        return session
 
     def session(self, session_id: str) -> TargetSession:
         try:
@@ -135,6 +223,8 @@ class TargetEngine:
         tree.validate(self.vocab_size, self.config.max_tree_nodes)
         session = self.session(session_id)
         with session.lock:
+            if session.released:
+                raise NotFound(f"session {session_id!r} was released")
             if expected_committed_length != session.committed_length:
                 raise FailedPrecondition(
                     f"session {session_id!r} has {session.committed_length} committed tokens, the request expected "
@@ -145,63 +235,204 @@ class TargetEngine:
                     f"session {session_id!r} would exceed the context of {self.max_context} tokens "
                     f"({session.committed_length} committed + {len(tree)} tree nodes)"
                 )
-            start = time.perf_counter()
             with tracer.start_as_current_span("specsplit.verifier.verify") as span:
                 span.set_attribute("specsplit.num_draft_tokens", len(tree))
-                verdict = self._verify_locked(session, tree, max_commit)
-                span.set_attribute("specsplit.num_accepted", len(verdict.accepted_nodes))
-            return VerifyResult(verdict, session.committed_length, (time.perf_counter() - start) * 1e3)
-
-    def _verify_locked(self, session: TargetSession, tree: TokenTree, max_commit: int) -> Verdict:
-        prefix_len = session.committed_length - 1  # cached tokens; the pending token is the root
-        buffers = build_buffers(tree, session.token_ids[-1], prefix_len, self.device)
-        # A chain (or an empty tree) is plain causal attention: let the model build that mask itself.
-        mask = None if tree.is_chain() else full_attention_mask(buffers.tree_attn_mask, prefix_len, self.dtype)
-        try:
-            logits = self._forward(buffers.input_ids, buffers.position_ids, mask, session.cache)  # [1, N+1, V]
-        except BaseException:
-            kvcache.truncate(session.cache, prefix_len)  # the session stays as it was before this Verify
-            raise
-        if session.sampling.greedy:
-            target_token_ids = logits[0].argmax(dim=-1).tolist()  # [N+1]
-            verdict = accept_greedy(tree, target_token_ids, max_commit)
-        else:
-            if session.sampling.seed is not None:  # per-round draws: another replica would draw the same
-                session.generator.manual_seed(round_seed(session.sampling.seed, session.committed_length))
-            p = distribution(logits[0], session.sampling).cpu()  # [N+1, V]
-            verdict = accept_sampled(tree, p, tree.node_q, session.generator, max_commit)
-        kvcache.compact(session.cache, prefix_len, verdict.rows_to_keep)
-        session.token_ids.extend(verdict.committed_token_ids)
-        return verdict
+                work = _Verify(session, len(tree) + 1, session=session, tree=tree, max_commit=max_commit)
+                result: VerifyResult = self._scheduler.submit(work).result()
+                span.set_attribute("specsplit.num_accepted", len(result.verdict.accepted_nodes))
+                span.set_attribute("specsplit.queue_ms", result.queue_ms)
+            return result
 
     def release(self, session_id: str) -> bool:
         with self._sessions_lock:
-            return self._sessions.pop(session_id, None) is not None
+            session = self._sessions.pop(session_id, None)
+            if session is None:
+                return False
+            session.released = True
+            # Queued under the lock: a Prefill admitted after this Release is queued after it, so the
+            # slot is free again by the time that Prefill needs one.
+            self._scheduler.submit(_Release(session, 0, session=session))
+        return True
 
     def export_session(self, session_id: str, expected_committed_length: int, dtype: str = "") -> bytes:
-        """The session's KV cache as bytes (``verifier_service.offload``); the session stays here."""
+        """The session's cached K/V (every committed token but the pending one) as bytes; it stays here."""
+        target = offload.target_dtype(dtype)
         session = self.session(session_id)
         with session.lock:
+            if session.released:
+                raise NotFound(f"session {session_id!r} was released")
             if expected_committed_length != session.committed_length:
                 raise FailedPrecondition(f"session {session_id!r} has {session.committed_length} committed tokens, "
                                          f"the export expected {expected_committed_length}")
-            return self._runner(offload.cache_to_bytes, session.cache, dtype or None)
+            with tracer.start_as_current_span("specsplit.verifier.export") as span:
+                span.set_attribute("specsplit.committed_length", session.committed_length)
+                # The copy is taken on the model thread, between forwards; serializing it is not.
+                layers = self._scheduler.submit(_Export(session, 0, session=session, dtype=target)).result()
+        return offload.layers_to_bytes(layers)
 
     def import_session(self, session_id: str, token_ids: list[int], blob: bytes,
                        sampling: SamplingParams | None = None) -> tuple[int, float]:
         """A session from an exported cache: like Prefill of ``token_ids``, without the forward."""
         start = time.perf_counter()
-        if len(token_ids) >= self.max_context or any(not 0 <= t < self.vocab_size for t in token_ids):
-            raise InvalidArgument(f"imported tokens must be {self.max_context - 1} at most, each in [0, {self.vocab_size})")
+        sampling = sampling or SamplingParams()
+        sampling.validate()
+        self._check_new(session_id, token_ids)
         if offload.cached_length(blob) != len(token_ids) - 1:
             raise InvalidArgument(f"KV blob caches {offload.cached_length(blob)} positions; {len(token_ids)} committed "
                                   f"tokens need {len(token_ids) - 1} (all but the pending one)")
-        cache = self._runner(offload.cache_from_bytes, blob, kvcache.new_cache(self.model), self.device, self.dtype)
-        self.prefill(session_id, token_ids[:1], sampling)  # registers the session (checks, capacity); no forward
-        session = self.session(session_id)
-        with session.lock:
-            session.cache, session.token_ids = cache, list(token_ids)
-        return session.committed_length, (time.perf_counter() - start) * 1e3
+        layers = offload.layers_from_bytes(blob, self._num_layers)
+        session = self._admit(session_id, token_ids, sampling, 0)
+        try:
+            with session.lock, tracer.start_as_current_span("specsplit.verifier.import") as span:
+                span.set_attribute("specsplit.committed_length", len(token_ids))
+                self._scheduler.submit(_Import(session, 0, session=session, layers=layers)).result()
+        except BaseException:
+            self.release(session_id)
+            raise
+        return session.committed_length, _ms_since(start)
+
+    # -- the model thread ----------------------------------------------------------------------------
+    def _tick(self, works: list[Work]) -> list[Work]:
+        """Run one tick: build a row per work, run the planned forwards, answer or continue each work."""
+        tick_start = time.perf_counter()
+        rows: list[Row] = []
+        owners: list[Work] = []
+        for work in works:
+            session = work.session
+            if isinstance(work, _Release):
+                if session.slot >= 0:
+                    self._store.release(session.slot)
+                    session.slot = -1
+                work.future.set_result(True)
+            elif session.released:
+                self._fail(work, NotFound("the session was released while this request waited"))
+            elif isinstance(work, (_Export, _Import)):
+                self._move_kv(work)
+            elif isinstance(work, _Prefill):
+                if session.slot < 0:
+                    try:
+                        session.slot = self._store.acquire()
+                    except ResourceExhausted as err:
+                        self._fail(work, err)
+                        continue
+                if work.done == len(work.token_ids):  # a one-token prompt: nothing to cache
+                    session.answered_at = time.perf_counter()
+                    work.future.set_result((session.committed_length, _ms_since(work.enqueued)))
+                    continue
+                rows.append(prefill_row(session.slot, work.done, work.token_ids[work.done:work.done + work.tokens]))
+                owners.append(work)
+            else:
+                rows.append(verify_row(session.slot, session.cached_length, session.token_ids[-1], work.tree))
+                owners.append(work)
+                self.stats.think_ms += (work.enqueued - session.answered_at) * 1e3
+                self.stats.thinks += 1
+        self.stats.ticks += 1
+        continuing: list[Work] = []
+        for group in plan_forwards([len(r) for r in rows], self.config.forward_overhead_tokens):
+            start = time.perf_counter()
+            try:
+                logits = self._forward([rows[i] for i in group], [isinstance(owners[i], _Verify) for i in group])
+            except BaseException as err:  # nothing was committed: every session stays as it was
+                for i in group:
+                    self._fail(owners[i], err)
+                continue
+            forward_ms = _ms_since(start)
+            self.stats.forward_ms += forward_ms
+            shares = cost_shares([len(rows[i]) for i in group], self.config.forward_overhead_tokens, forward_ms)
+            for b, i in enumerate(group):
+                work = owners[i]
+                if isinstance(work, _Prefill):
+                    self._advance_prefill(work, len(rows[i]), continuing)
+                    continue
+                try:
+                    verdict = self._accept(work, logits[b, :len(rows[i])])  # [Q_b, V]
+                except BaseException as err:
+                    self._fail(work, err)
+                    continue
+                work.session.answered_at = time.perf_counter()
+                work.future.set_result(VerifyResult(verdict, work.session.committed_length, _ms_since(work.enqueued),
+                                                    (tick_start - work.enqueued) * 1e3, shares[b]))
+        return continuing
+
+    def _move_kv(self, work: _Export | _Import) -> None:
+        """Copy a session's cached K/V out of its slot (export), or into a fresh slot (import)."""
+        session = work.session
+        try:
+            if isinstance(work, _Export):
+                result = self._store.read_session(session.slot, session.cached_length, self._num_layers, work.dtype)
+            else:
+                if session.slot < 0:
+                    session.slot = self._store.acquire()
+                try:
+                    self._store.write_session(session.slot, work.layers, self.dtype, self.device)
+                except RuntimeError as err:  # heads or head size differ: a blob of another model
+                    raise InvalidArgument(f"KV blob does not fit this model: {err}") from None
+                session.answered_at = time.perf_counter()
+                result = session.committed_length
+        except BaseException as err:
+            self._fail(work, err)
+            return
+        work.future.set_result(result)
+
+    def _forward(self, rows: list[Row], needs_logits: list[bool]) -> torch.Tensor:
+        """[B, Q', V] logits for rows right-padded to Q tokens (Q' = the longest verify row: prefill needs none)."""
+        inputs = batch_inputs(rows, self.dtype, self.device)
+        q_len = inputs.input_ids.shape[1]
+        cache = SlotBatch(self._store, inputs.slots, inputs.starts, q_len, self._num_layers)
+        kwargs = {}
+        if self._logits_to_keep:
+            keep = max((len(r) for r, need in zip(rows, needs_logits) if need), default=1)
+            kwargs["logits_to_keep"] = 0 if keep == q_len else torch.arange(keep, device=self.device)
+        self.stats.forwards += 1
+        self.stats.rows += len(rows)
+        self.stats.tokens += inputs.input_ids.numel()
+        self.stats.max_rows = max(self.stats.max_rows, len(rows))
+        out = self.model(
+            input_ids=inputs.input_ids,  # [B, Q]
+            position_ids=inputs.position_ids,  # [B, Q]
+            attention_mask=inputs.attention_mask,  # [B, 1, Q, S]
+            cache=cache,
+            use_cache=True,
+            **kwargs,
+        )
+        return out.logits  # [B, Q', V]
+
+    def _accept(self, work: _Verify, logits: torch.Tensor) -> Verdict:
+        """logits: [N+1, V] for root + nodes. Accept, compact the slot, commit."""
+        session, tree = work.session, work.tree
+        if session.sampling.greedy:
+            target_token_ids = logits.argmax(dim=-1).tolist()  # [N+1]
+            verdict = accept_greedy(tree, target_token_ids, work.max_commit)
+        else:
+            if session.sampling.seed is not None:  # per-round draws: another replica would draw the same
+                session.generator.manual_seed(round_seed(session.sampling.seed, session.committed_length))
+            p = distribution(logits, session.sampling).cpu()  # [N+1, V]
+            verdict = accept_sampled(tree, p, tree.node_q, session.generator, work.max_commit)
+        self._store.compact(session.slot, session.cached_length, verdict.rows_to_keep)
+        session.token_ids.extend(verdict.committed_token_ids)
+        return verdict
+
+    def _advance_prefill(self, work: _Prefill, cached: int, continuing: list[Work]) -> None:
+        work.done += cached
+        with self._sessions_lock:
+            self._queued_prefill_tokens -= cached
+        work.tokens = min(len(work.token_ids) - work.done, self.config.prefill_chunk)
+        if work.tokens:
+            continuing.append(work)
+        else:
+            work.session.answered_at = time.perf_counter()
+            work.future.set_result((work.session.committed_length, _ms_since(work.enqueued)))
+
+    def _fail(self, work: Work, err: BaseException) -> None:
+        if isinstance(work, _Prefill):
+            with self._sessions_lock:
+                self._queued_prefill_tokens -= len(work.token_ids) - work.done
+            work.done = len(work.token_ids)
+        work.future.set_exception(err)
+
+
+def _ms_since(start: float) -> float:
+    return (time.perf_counter() - start) * 1e3
 
 
 def _generator(sampling: SamplingParams) -> torch.Generator | None:

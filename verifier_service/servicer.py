@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specsplit.errors import InvalidArgument
-from specsplit.rpc import sampling_from_pb, tree_from_pb, verdict_to_pb
+from specsplit.rpc import VerifyTiming, sampling_from_pb, tree_from_pb, verdict_to_pb
 from specsplit.serving import grpc_errors
 from specsplit.sweep import IdleSweeper
 from specsplit.v1 import verifier_pb2, verifier_pb2_grpc
@@ -47,7 +47,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             request.session_id, tree_from_pb(request.tree), request.expected_committed_length, request.max_commit
         )
         self.sweeper.touch(request.session_id)
-        return verdict_to_pb(result.verdict, result.committed_length, result.verify_ms)
+        timing = VerifyTiming(result.verify_ms, result.queue_ms, result.cost_ms)
+        return verdict_to_pb(result.verdict, result.committed_length, timing)
 
     @grpc_errors
     def Release(self, request, context):

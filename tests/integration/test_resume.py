@@ -210,6 +210,8 @@ def test_no_kv_cache_is_left_after_200_sessions(target):
             [v.core.num_sessions() for v in stack.verifiers]
         infos = [stack.orchestrator.core.replicas.replicas[k].client.info(timeout=5) for k in range(2)]
         assert [info.num_sessions for info in infos] == [0, 0]
+        engines = [v.core for v in stack.verifiers]  # every KV slot is free again (swept sessions included)
+        assert wait_for(lambda: all(e._store.num_free == e.config.max_sessions for e in engines), timeout=5)
         assert wait_for(lambda: stack.draft_sessions() == 0, timeout=5)
 
 

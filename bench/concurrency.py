@@ -1,0 +1,316 @@
+"""Many sessions at once against one verifier: batched verification vs one request at a time vs plain
+batched decoding with HF generate.
+
+    python bench/concurrency.py [--sessions 1,2,4,8,16] [--max-new-tokens 64] [--threads 2]
+
+For each concurrency n, the first n prompts of bench/prompts.jsonl (interleaved across kinds) run at the
+same time: n threads, each a specsplit.Client streaming from an embedded stack (verifier + n-gram draft +
+orchestrator, real gRPC on loopback, in a child process: the clients are not the servers), once with
+the batching verifier and once with max_batch=1; and once as a single left-padded HF
+generate(do_sample=False) over the same n chat prompts (in another child process, so each process has
+one OpenMP team). Greedy, fp32, CPU. The methods take turns, never overlap.
+
+Aggregate tokens/s = all new tokens / wall time from the first request to the last token (prefill
+included). Per-token latency = inter-token latency after the first token: a chunk of k tokens arriving
+dt after the previous one gives each of its tokens dt / k (HF: each decoding step's duration).
+Writes <out>/concurrency.json and <out>/concurrency.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import pathlib
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
+
+from run import chat_ids, load_prompts, machine_busy_s, wait_for_quiet  # noqa: E402
+from specsplit.client import Client  # noqa: E402
+from specsplit.config import VerifierConfig  # noqa: E402
+from specsplit.launch import default_proposers, start_stack  # noqa: E402
+from specsplit.models import load_model, load_tokenizer  # noqa: E402
+
+METHODS = ["batched", "one_at_a_time", "hf_batched"]
+
+
+@dataclass
+class Session:
+    token_ids: list[int]
+    ttft_s: float  # request to first token
+    token_latencies_s: list[float]  # per token after the first (see the module docstring)
+    rounds: int = 0
+    draft_tokens: int = 0
+
+
+@dataclass
+class Result:
+    method: str
+    sessions: int
+    tokens: int
+    wall_s: float
+    tokens_per_s: float
+    p50_ms: float  # per-token latency
+    p95_ms: float
+    ttft_p50_ms: float
+    mean_tree: float  # drafted tokens per round (specsplit only)
+    tau: float  # tokens committed per round (specsplit only)
+    rows_per_forward: float  # verifier forwards' mean rows (specsplit only)
+    other_load: float  # cores other processes kept busy during the run
+    think_ms: float = 0.0  # mean time from the verifier's answer to the session's next Verify (specsplit only)
+    token_ids: list[list[int]] = field(default_factory=list)
+
+
+# -- specsplit ---------------------------------------------------------------------------------------
+def one_session(address: str, prompt: str, max_new: int, start: threading.Barrier, out: list, i: int) -> None:
+    with Client(address) as client:
+        start.wait()
+        begin = last = time.perf_counter()
+        tokens: list[int] = []
+        latencies: list[float] = []
+        ttft, rounds, drafted = 0.0, 0, 0
+        for chunk in client.generate(prompt, max_new_tokens=max_new, draft="ngram"):
+            now = time.perf_counter()
+            if chunk.stats is not None:
+                rounds += 1
+                drafted += chunk.stats.num_draft_tokens
+            if chunk.token_ids:
+                if not tokens:
+                    ttft = now - begin
+                else:
+                    latencies += [(now - last) / len(chunk.token_ids)] * len(chunk.token_ids)
+                tokens += chunk.token_ids
+                last = now
+        out[i] = Session(tokens, ttft, latencies, rounds, drafted)
+
+
+class StackWorker:
+    """The two embedded stacks (batching verifier, max_batch=1) in a child process."""
+
+    def __init__(self, threads: int):
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_stack_worker_main, args=(child, threads), daemon=True)
+        self.proc.start()
+        self.addresses = self.conn.recv()  # {"batched": address, "one_at_a_time": address}
+
+    def stats(self, method: str) -> tuple:
+        """The method's verifier's forwards, rows, thinks, summed think ms so far; the stack's CPU seconds."""
+        self.conn.send(method)
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join(timeout=30)
+
+
+def _stack_worker_main(conn, threads: int) -> None:
+    torch.set_num_threads(threads)
+    loaded = load_model(None, "cpu", "float32")
+    proposers = lambda: default_proposers("ngram", None, "cpu", "float32")  # noqa: E731
+    stacks = {"batched": start_stack(loaded, proposers(), VerifierConfig()),
+              "one_at_a_time": start_stack(loaded, proposers(), VerifierConfig(max_batch=1))}
+    conn.send({name: stack.address for name, stack in stacks.items()})
+    while (method := conn.recv()) is not None:
+        stats = stacks[method].verifier_engine.stats
+        conn.send((stats.forwards, stats.rows, sum(os.times()[:2]), stats.thinks, stats.think_ms, stats.tokens,
+                   stats.forward_ms, stats.ticks))
+    for stack in stacks.values():
+        stack.close()
+
+
+def run_specsplit(method: str, stacks: StackWorker, prompts: list[dict], max_new: int) -> Result:
+    n = len(prompts)
+    forwards, rows, stack_cpu, thinks, think_ms = stacks.stats(method)[:5]
+    out: list = [None] * n
+    start = threading.Barrier(n + 1)
+    address = stacks.addresses[method]
+    threads = [threading.Thread(target=one_session, args=(address, p["prompt"], max_new, start, out, i))
+               for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    busy, cpu = machine_busy_s(), sum(os.times()[:2])
+    start.wait()
+    begin = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - begin
+    forwards_after, rows_after, stack_cpu_after, thinks_after, think_ms_after = stacks.stats(method)[:5]
+    own = sum(os.times()[:2]) - cpu + stack_cpu_after - stack_cpu
+    other = max(0.0, machine_busy_s() - busy - own) / wall
+    rows_per_forward = (rows_after - rows) / max(forwards_after - forwards, 1)
+    rounds = sum(s.rounds for s in out)
+    result = summarise(method, out, wall, other, sum(s.draft_tokens for s in out) / rounds,
+                       sum(len(s.token_ids) for s in out) / rounds, rows_per_forward)
+    result.think_ms = round((think_ms_after - think_ms) / max(thinks_after - thinks, 1), 1)
+    return result
+
+
+# -- HF generate, batched with left padding (in a child process) -------------------------------------
+class StepClock(StoppingCriteria):
+    """A stopping criterion that only records when each decoding step finished."""
+
+    def __init__(self):
+        super().__init__()
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def hf_batched(loaded, batch_ids: list[list[int]], max_new: int) -> tuple[list[list[int]], list[float], float]:
+    """Token ids per row (to EOS inclusive), step end times, start time."""
+    tok = loaded.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    width = max(map(len, batch_ids))
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch_ids])  # [n, width] left-padded
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch_ids])  # [n, width]
+    clock = StepClock()
+    with torch.inference_mode():
+        begin = time.perf_counter()
+        out = loaded.model.generate(input_ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
+                                    pad_token_id=pad, stopping_criteria=StoppingCriteriaList([clock]))
+    eos = set(loaded.model.generation_config.eos_token_id if isinstance(
+        loaded.model.generation_config.eos_token_id, list) else [loaded.model.generation_config.eos_token_id])
+    rows = []
+    for row in out[:, width:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        rows.append(row[:cut])
+    return rows, clock.times, begin
+
+
+def _hf_worker_main(conn, threads: int) -> None:
+    torch.set_num_threads(threads)
+    loaded = load_model(None, "cpu", "float32")
+    conn.send("ready")
+    while (msg := conn.recv()) is not None:
+        busy, cpu = machine_busy_s(), sum(os.times()[:2])
+        rows, times, begin = hf_batched(loaded, *msg)
+        wall = time.perf_counter() - begin
+        other = max(0.0, machine_busy_s() - busy - (sum(os.times()[:2]) - cpu)) / wall
+        conn.send((rows, times, begin, other))
+
+
+def run_hf(conn, ids: list[list[int]], max_new: int) -> Result:
+    conn.send((ids, max_new))
+    rows, times, begin, other = conn.recv()
+    out = []
+    for row in rows:
+        steps = times[:len(row)]
+        latencies = [b - a for a, b in zip(steps, steps[1:])]
+        out.append(Session(row, steps[0] - begin if steps else 0.0, latencies))
+    wall = max((times[len(r) - 1] for r in rows if r), default=begin) - begin
+    return summarise("hf_batched", out, wall, other, 0.0, 1.0, float(len(rows)))
+
+
+# -- reporting ---------------------------------------------------------------------------------------
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def summarise(method, sessions: list[Session], wall, other, mean_tree, tau, rows_per_forward) -> Result:
+    tokens = sum(len(s.token_ids) for s in sessions)
+    lat = [x for s in sessions for x in s.token_latencies_s]
+    return Result(method, len(sessions), tokens, round(wall, 3), round(tokens / wall, 2),
+                  round(percentile(lat, 0.5) * 1e3, 1), round(percentile(lat, 0.95) * 1e3, 1),
+                  round(statistics.median(s.ttft_s for s in sessions) * 1e3, 1), round(mean_tree, 2),
+                  round(tau, 2), round(rows_per_forward, 2), round(other, 2), [s.token_ids for s in sessions])
+
+
+def markdown(results: list[Result], references: list[list[int]], args) -> str:
+    by = {(r.method, r.sessions): r for r in results}
+    lines = [f"SmolLM2-135M-Instruct, fp32, CPU, {args.threads} torch threads, greedy, max_new_tokens="
+             f"{args.max_new_tokens}, n-gram draft; n sessions = the first n prompts of {args.prompts.name}, "
+             "all at once. tok/s = aggregate; latency = per-token (after the first token), ms.", "",
+             "| sessions | batched tok/s | one-at-a-time tok/s | HF batched tok/s | batched / one-at-a-time "
+             "| batched / HF | batched p50 / p95 | one-at-a-time p50 / p95 | HF p50 / p95 | batched TTFT p50 "
+             "| mean tree (batched / 1-at-a-time) | rows per forward | identical to HF greedy |",
+             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
+    for n in args.sessions:
+        b, o, h = by[("batched", n)], by[("one_at_a_time", n)], by[("hf_batched", n)]
+        same = sum(b.token_ids[i] == references[i] and o.token_ids[i] == references[i] for i in range(n))
+        busy = " (busy)" if max(b.other_load, o.other_load, h.other_load) > 0.25 else ""
+        lines.append(f"| {n}{busy} | {b.tokens_per_s:.1f} | {o.tokens_per_s:.1f} | {h.tokens_per_s:.1f} | "
+                     f"{b.tokens_per_s / o.tokens_per_s:.2f}x | {b.tokens_per_s / h.tokens_per_s:.2f}x | "
+                     f"{b.p50_ms:.0f} / {b.p95_ms:.0f} | {o.p50_ms:.0f} / {o.p95_ms:.0f} | "
+                     f"{h.p50_ms:.0f} / {h.p95_ms:.0f} | {b.ttft_p50_ms:.0f} | {b.mean_tree:.1f} / {o.mean_tree:.1f} | "
+                     f"{b.rows_per_forward:.1f} | {same}/{n} |")
+    lines += ["", "identical: batched and one-at-a-time tokens both equal to HF generate of that prompt alone. "
+              "(busy): other processes kept more than a quarter core busy during a run (see other_load in the JSON)."]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--sessions", default="1,2,4,8,16", help="concurrency levels")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--prompts", type=pathlib.Path, default=HERE / "prompts.jsonl")
+    parser.add_argument("--out", type=pathlib.Path, default=HERE / "results")
+    parser.add_argument("--wait-idle", type=float, default=20.0,
+                        help="before each run, wait up to this many seconds for other processes to go quiet")
+    args = parser.parse_args(argv)
+    args.sessions = [int(s) for s in args.sessions.split(",")]
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    prompts = load_prompts(args.prompts, None, None)
+    if max(args.sessions) > len(prompts):
+        raise SystemExit(f"{args.prompts} has {len(prompts)} prompts; --sessions asks for {max(args.sessions)}")
+    ctx = multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe()
+    worker = ctx.Process(target=_hf_worker_main, args=(child, args.threads), daemon=True)
+    worker.start()
+    conn.recv()
+    tokenizer = load_tokenizer(None)
+    ids = [chat_ids(tokenizer, p["prompt"]) for p in prompts[:max(args.sessions)]]
+    references = [run_hf(conn, [i], args.max_new_tokens).token_ids[0] for i in ids]  # each prompt alone
+    print(f"references done; prompt tokens {[len(i) for i in ids]}", file=sys.stderr, flush=True)
+    results: list[Result] = []
+    stacks = StackWorker(args.threads)
+    for method in METHODS[:2]:  # warm-up
+        run_specsplit(method, stacks, prompts[:2], 8)
+    for n in args.sessions:
+        for method in METHODS:
+            time.sleep(1.0)  # let the previous method's OpenMP team go idle
+            wait_for_quiet(args.wait_idle)
+            if method == "hf_batched":
+                result = run_hf(conn, ids[:n], args.max_new_tokens)
+            else:
+                result = run_specsplit(method, stacks, prompts[:n], args.max_new_tokens)
+            results.append(result)
+            print(f"n={n} {method}: {result.tokens_per_s:.1f} tok/s, p50 {result.p50_ms:.0f} ms, "
+                  f"p95 {result.p95_ms:.0f} ms, tree {result.mean_tree:.1f}, rows/fwd "
+                  f"{result.rows_per_forward:.1f}, think {result.think_ms:.0f} ms, other load {result.other_load:.2f}", file=sys.stderr, flush=True)
+    stacks.close()
+    conn.send(None)
+    worker.join(timeout=30)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"cpus": os.cpu_count(), "model": "SmolLM2-135M-Instruct", "dtype": "float32", "device": "cpu", "threads": args.threads,
+            "max_new_tokens": args.max_new_tokens, "torch": torch.__version__, "prompts": str(args.prompts),
+            "verifier": asdict(VerifierConfig()), "prompt_tokens": [len(i) for i in ids]}
+    (args.out / "concurrency.json").write_text(json.dumps(
+        {"meta": meta, "references": references, "results": [asdict(r) for r in results]}, indent=1))
+    table = markdown(results, references, args)
+    (args.out / "concurrency.md").write_text("# Concurrent sessions: batched verification\n\n" + table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""The orchestrator's side of the draft services: choosing one, starting, proposing, failing over, ending.
+
+A mixin of ``orchestrator.generation.Orchestrator`` (it uses ``self.drafts``, ``self._draft_info``,
+``self.config`` and ``self.verifier_info``). A failed draft never fails a generation: the session runs
+target-only for ``draft_retry_rounds`` rounds, then tries the draft again (or its twin, the next
+configured draft of the same kind).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from opentelemetry import trace
+
+from orchestrator.session import LiveSession
+from specsplit.errors import FailedPrecondition, InvalidArgument
+from specsplit.rpc import DraftInfo, RpcError
+from specsplit.tree import TokenTree
+
+log = logging.getLogger("orchestrator.generation")
+
+DRAFT_CHOICES = ("auto", "ngram", "model", "none")
+
+
+class DraftMixin:
+    def draft_names(self) -> list[str]:
+        names = []
+        for draft in self.drafts:
+            info = self._draft_info_of(draft)
+            if info is not None:
+                names.append(info.drafter)
+        return names
+
+    def _draft_info_of(self, draft) -> DraftInfo | None:
+        if id(draft) not in self._draft_info:
+            try:
+                self._draft_info[id(draft)] = draft.info(timeout=self.config.draft_timeout_s)
+            except RpcError as err:
+                log.warning("draft service %s unreachable: %s", draft.address, err.code())
+                return None
+        return self._draft_info[id(draft)]
+
+    def pick_draft(self, choice: str):
+        """The draft service for a request's --draft choice (None: target-only)."""
+        if choice not in DRAFT_CHOICES:
+            raise InvalidArgument(f"unknown draft {choice!r}; choose one of {', '.join(DRAFT_CHOICES)}")
+        if choice == "none" or not self.drafts:
+            return None
+        if choice == "auto":
+            return self.drafts[0]
+        for draft in self.drafts:
+            info = self._draft_info_of(draft)
+            if info is not None and info.drafter == choice:
+                return draft
+        raise InvalidArgument(f"no {choice!r} draft service is configured; this orchestrator has: "
+                              f"{', '.join(self.draft_names()) or 'none'} (use --draft none or auto)")
+
+    # -- drafts --------------------------------------------------------------------------------------
+    def _max_nodes(self, draft) -> int:
+        info = self._draft_info_of(draft) if draft is not None else None
+        draft_max = info.max_nodes if info is not None and info.max_nodes else 64
+        return min(self.verifier_info.max_tree_nodes, draft_max)
+
+    def _drafter_name(self, session: LiveSession) -> str:
+        info = self._draft_info_of(session.draft) if session.draft is not None else None
+        return info.drafter if info else "none"
+
+    def _start_draft(self, session: LiveSession) -> None:
+        try:
+            session.draft.start(session.id, session.token_ids, self.verifier_info.tokenizer_fingerprint,
+                                timeout=self.config.draft_timeout_s, sampling=session.sampling)
+            session.unsent = []
+            session.state.draft_down_until = 0
+        except RpcError as err:
+            if _is_refusal(err):
+                raise FailedPrecondition(f"draft service {session.draft.address} refused the session: {err.details()}") from None
+            self._draft_failed(session, err)
+
+    def _propose(self, session: LiveSession, budget: int) -> tuple[TokenTree, float | None]:
+        state = session.state
+        if session.draft is None:
+            return TokenTree.empty(), None
+        if state.draft_down_until:
+            if state.round < state.draft_down_until:
+                return TokenTree.empty(), None
+            session.draft = self._draft_replica_after(session.draft)
+            self._start_draft(session)  # the draft service may have restarted: start over from all tokens
+            if state.draft_down_until:
+                return TokenTree.empty(), None
+        if budget <= 0:
+            return TokenTree.empty(), None  # no call: committed tokens travel with the next Propose
+        try:
+            tree, draft_ms = session.draft.propose(session.id, session.unsent, len(session.token_ids), budget,
+                                                   timeout=self.config.draft_timeout_s)
+        except RpcError as err:
+            self._draft_failed(session, err)
+            return TokenTree.empty(), None
+        session.unsent = []
+        return tree, draft_ms
+
+    def _draft_replica_after(self, draft):
+        """The next draft service of the same kind (a replica; any kind if this one's is unknown), in order."""
+        if len(self.drafts) < 2:
+            return draft
+        kind = self._draft_info_of(draft)
+        same = [d for d in self.drafts if d is draft or kind is None or self._draft_info_of(d) == kind]
+        return same[(same.index(draft) + 1) % len(same)]
+
+    def _draft_failed(self, session: LiveSession, err) -> None:
+        code = err.code() if hasattr(err, "code") else err
+        log.warning("draft %s failed for session %s (%s); target-only decoding for %d rounds",
+                    session.draft.address, session.id, code, self.config.draft_retry_rounds)
+        trace.get_current_span().add_event("specsplit.draft_fallback", {"grpc.status": str(code)})
+        session.state.draft_down_until = session.state.round + self.config.draft_retry_rounds
+
+    def _end_draft(self, session: LiveSession) -> None:
+        if session.draft is not None and not session.state.draft_down_until:
+            try:
+                session.draft.end(session.id, timeout=self.config.draft_timeout_s)
+            except RpcError:
+                pass
+
+
+def _is_refusal(err) -> bool:
+    import grpc
+
+    return hasattr(err, "code") and err.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)

@@ -1,0 +1,86 @@
+"""Many concurrent sessions through the real gRPC services share the verifier's batches, and each one
+still produces exactly its own HF greedy tokens; a full verifier answers RESOURCE_EXHAUSTED at once."""
+
+import random
+import threading
+import time
+
+import grpc
+import pytest
+
+from draft_service.proposers import NgramProposer
+from specsplit.client import Client
+from specsplit.config import DraftConfig, VerifierConfig
+from specsplit.launch import start_stack
+from specsplit.rpc import RemoteVerifier
+from tiny import hf_greedy, tiny_loaded
+
+SESSIONS = 32
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_loaded(seed=0)
+
+
+def mixed_requests(n: int) -> list[dict]:
+    """Prompts from 1 to ~200 tokens (some repetitive, so n-gram drafts hit), mixed budgets and drafts."""
+    rng = random.Random(1)
+    requests = []
+    for i in range(n):
+        length = [1, 3, 8, 20, 45, 90, 140, 200][i % 8] + rng.randrange(3)
+        motif = [rng.randrange(3, 256) for _ in range(rng.randint(2, 6))]
+        prompt = [258] + (motif * length)[:length - 1] if i % 2 else [rng.randrange(3, 256) for _ in range(length)]
+        requests.append(dict(prompt_token_ids=prompt or [258], max_new_tokens=rng.choice([16, 24, 40]),
+                             draft="none" if i % 5 == 4 else "ngram"))
+    return requests
+
+
+def test_32_concurrent_sessions_each_get_their_hf_greedy_tokens(target):
+    requests = mixed_requests(SESSIONS)
+    expected = [hf_greedy(target.model, r["prompt_token_ids"], r["max_new_tokens"]) for r in requests]
+    config = VerifierConfig(max_sessions=SESSIONS + 8, prefill_chunk=32)
+    got: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+    with start_stack(target, [NgramProposer(DraftConfig())], verifier_config=config) as stack:
+        start = threading.Barrier(SESSIONS)
+
+        def one(i):
+            try:
+                with Client(stack.address) as client:
+                    start.wait()
+                    got[i] = [t for c in client.generate(**requests[i]) for t in c.token_ids]
+            except BaseException as err:  # surfaced below
+                errors.append(err)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(SESSIONS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=600)
+        engine = stack.verifier_engine
+        deadline = time.time() + 10
+        while engine.num_sessions() and time.time() < deadline:
+            time.sleep(0.05)
+        assert not errors, errors[:3]
+        for i in range(SESSIONS):
+            assert got.get(i) == expected[i], f"session {i}: prompt of {len(requests[i]['prompt_token_ids'])} tokens"
+        assert engine.stats.max_rows >= 8, engine.stats  # the sessions really were verified together
+        assert engine.num_sessions() == 0
+
+
+def test_full_verifier_is_resource_exhausted_through_the_orchestrator(target):
+    with start_stack(target, [NgramProposer(DraftConfig())], verifier_config=VerifierConfig(max_sessions=2)) as stack:
+        verifier = RemoteVerifier(stack.verifier.address)
+        verifier.prefill("a", [258, 5], timeout=5)
+        verifier.prefill("b", [258, 6], timeout=5)
+        start = time.perf_counter()
+        with pytest.raises(grpc.RpcError) as info:
+            list(Client(stack.address).generate(prompt_token_ids=[258, 7, 8], max_new_tokens=4))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "at capacity" in info.value.details() and "max_sessions=2" in info.value.details()
+        assert time.perf_counter() - start < 2.0
+        verifier.release("a", timeout=5)
+        tokens = [t for c in Client(stack.address).generate(prompt_token_ids=[258, 7, 8], max_new_tokens=4)
+                  for t in c.token_ids]
+        assert tokens == hf_greedy(target.model, [258, 7, 8], 4)

@@ -1,0 +1,158 @@
+"""Batching never changes a session's tokens: many sessions of different lengths verified together.
+
+Each session drives the engine from its own thread with trees built around the target's true greedy
+continuation (a right branch with a planted error at a random depth, a wrong branch, in random order),
+so acceptance stops at different depths and accepted branches are often not the first (a gather
+compaction). Every session must end with exactly HF greedy's tokens, batched (sessions forced into
+the same ticks) and one request at a time alike.
+"""
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from specsplit.config import VerifierConfig
+from specsplit.errors import ResourceExhausted
+from specsplit.tree import TokenTree
+from tiny import VOCAB, hf_greedy, tiny_loaded
+from verifier_service.engine import TargetEngine
+
+NEW_TOKENS = 24
+PROMPT_LENGTHS = [1, 2, 5, 9, 17, 33, 40, 64, 3, 100, 12, 7]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_loaded(seed=11)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(0)
+    return [[rng.randrange(3, 256) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def references(target, prompts):
+    return [hf_greedy(target.model, p, NEW_TOKENS + 8) for p in prompts]
+
+
+def draft_tree(rng: random.Random, truth: list[int]) -> TokenTree:
+    """A right branch (maybe with a planted error), a wrong branch, in random order; sometimes nothing."""
+    if rng.random() < 0.15:
+        return TokenTree.empty()
+    right = list(truth[:rng.randint(1, 6)])
+    if rng.random() < 0.5:
+        right[rng.randrange(len(right))] = rng.randrange(3, VOCAB)
+    wrong = [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 3))]
+    paths = [right, wrong] if rng.random() < 0.5 else [wrong, right]
+    return TokenTree.from_paths(paths)
+
+
+def drive(engine, index, prompt, reference, start, out):
+    rng = random.Random(index)
+    sid = f"s{index}"
+    start.wait()
+    engine.prefill(sid, prompt)
+    committed: list[int] = []
+    while len(committed) < NEW_TOKENS:
+        tree = draft_tree(rng, reference[len(committed):])
+        result = engine.verify(sid, tree, len(prompt) + len(committed), NEW_TOKENS - len(committed))
+        committed.extend(result.verdict.committed_token_ids)
+    engine.release(sid)
+    out[index] = committed
+
+
+def run_sessions(target, prompts, references, config):
+    engine = TargetEngine(target, config)
+    start = threading.Barrier(len(prompts))
+    out: dict[int, list[int]] = {}
+    threads = [threading.Thread(target=drive, args=(engine, i, p, r, start, out))
+               for i, (p, r) in enumerate(zip(prompts, references))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    finally:
+        engine.close()
+    return [out.get(i) for i in range(len(prompts))], engine
+
+
+def test_batched_sessions_each_get_their_hf_greedy_tokens(target, prompts, references):
+    config = VerifierConfig(max_batch=32, batch_wait_ms=500, prefill_chunk=16, max_sessions=16)
+    tokens, engine = run_sessions(target, prompts, references, config)
+    for i, reference in enumerate(references):
+        assert tokens[i] == reference[:NEW_TOKENS], f"session {i} (prompt of {PROMPT_LENGTHS[i]} tokens)"
+    assert engine.stats.max_rows >= len(prompts) // 2  # sessions really shared forwards
+    assert engine.stats.rows > engine.stats.forwards * 2
+    assert engine.num_sessions() == 0
+
+
+def test_one_request_at_a_time_gives_the_same_tokens(target, prompts, references):
+    config = VerifierConfig(max_batch=1, prefill_chunk=16, max_sessions=16)
+    tokens, engine = run_sessions(target, prompts[:6], references[:6], config)
+    assert tokens == [r[:NEW_TOKENS] for r in references[:6]]
+    assert engine.stats.max_rows == 1
+
+
+def test_session_cap_answers_resource_exhausted_at_once(target):
+    engine = TargetEngine(target, VerifierConfig(max_sessions=2))
+    try:
+        engine.prefill("a", [5, 6, 7])
+        engine.prefill("b", [5, 6])
+        start = time.perf_counter()
+        with pytest.raises(ResourceExhausted, match="max_sessions=2"):
+            engine.prefill("c", [5])
+        assert time.perf_counter() - start < 0.1
+        engine.release("a")
+        assert engine.prefill("c", [5, 9])[0] == 2  # a released slot is reused at once
+    finally:
+        engine.close()
+
+
+def test_prefill_backlog_cap_answers_resource_exhausted_at_once(target):
+    engine = TargetEngine(target, VerifierConfig(prefill_chunk=8, max_queued_prefill_tokens=100))
+    gate = threading.Event()
+
+    def hold(*_):  # holds the model thread until the gate opens
+        gate.wait(10)
+
+    hook = target.model.register_forward_pre_hook(hold)
+    try:
+        first = threading.Thread(target=engine.prefill, args=("long", list(range(3, 93))))
+        first.start()
+        time.sleep(0.2)
+        start = time.perf_counter()
+        with pytest.raises(ResourceExhausted, match="max_queued_prefill_tokens=100"):
+            engine.prefill("more", list(range(3, 53)))
+        assert time.perf_counter() - start < 0.1
+        gate.set()
+        first.join(timeout=30)
+        assert engine.session("long").committed_length == 90
+        assert engine.prefill("more", list(range(3, 53)))[0] == 50  # the backlog drained
+    finally:
+        gate.set()
+        hook.remove()
+        engine.close()
+
+
+def test_a_failed_forward_changes_no_session(target):
+    engine = TargetEngine(target, VerifierConfig())
+    prompt = [258, 1, 2, 3, 4]
+    try:
+        engine.prefill("s", prompt)
+        boom = target.model.register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("boom")))
+        try:
+            with pytest.raises(RuntimeError, match="boom"):
+                engine.verify("s", TokenTree.chain([7, 8]), len(prompt))
+        finally:
+            boom.remove()
+        first = engine.verify("s", TokenTree.empty(), len(prompt)).verdict.next_token_id
+        second = engine.verify("s", TokenTree.empty(), len(prompt) + 1).verdict.next_token_id
+        assert [first, second] == hf_greedy(target.model, prompt, 2)
+    finally:
+        engine.close()

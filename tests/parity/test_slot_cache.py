@@ -1,0 +1,100 @@
+"""Batched forwards over the slot cache give every row the logits of a plain forward of its own session.
+
+Sessions of different lengths are prefilled in one batched forward (chunked, padded), then verified in
+one batched tree forward; each row must match an unbatched HF forward of exactly its own tokens. A mask
+or slot bug that lets rows see each other (or padding) breaks these equalities.
+"""
+
+import torch
+
+from specsplit.tree import TokenTree
+from tiny import tiny_llama
+from verifier_service.batching import batch_inputs, prefill_row, verify_row
+from verifier_service.slots import SlotBatch, SlotStore
+
+PREFIXES = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38], [5], [26, 53, 58, 97, 93, 23, 84], list(range(40, 75))]
+ROOTS = [62, 64, 33, 83]
+TREES = [
+    TokenTree((11, 12, 13, 14, 15, 16, 17), (-1, -1, 0, 0, 2, 1, 5)),
+    TokenTree.chain([21, 22, 23]),
+    TokenTree.empty(),
+    TokenTree((41, 42, 43, 44), (-1, -1, -1, 2)),
+]
+
+
+def forward(model, store, rows, logits=True):
+    inputs = batch_inputs(rows, torch.float32)
+    cache = SlotBatch(store, inputs.slots, inputs.starts, inputs.input_ids.shape[1], model.config.num_hidden_layers)
+    out = model(inputs.input_ids, position_ids=inputs.position_ids, attention_mask=inputs.attention_mask,
+                cache=cache, use_cache=True)
+    return out.logits  # [B, Q, V]
+
+
+def prefill_all(model, store, slots, chunk):
+    """Cache every prefix in batched chunks of ``chunk`` tokens (rows of different lengths together)."""
+    done = [0] * len(PREFIXES)
+    while any(d < len(p) for d, p in zip(done, PREFIXES)):
+        rows = []
+        for i, prefix in enumerate(PREFIXES):
+            if done[i] < len(prefix):
+                rows.append(prefill_row(slots[i], done[i], prefix[done[i]:done[i] + chunk]))
+                done[i] += len(rows[-1])
+        forward(model, store, rows)
+
+
+def test_batched_tree_logits_match_each_session_alone():
+    torch.manual_seed(0)
+    model = tiny_llama(seed=3)
+    store = SlotStore(max_slots=8, grow_tokens=16)
+    slots = [store.acquire() for _ in PREFIXES]
+    slots[1], slots[3] = slots[3], slots[1]  # rows not in slot order: the gathered (non-view) path
+    with torch.no_grad():
+        prefill_all(model, store, slots, chunk=6)
+        rows = [verify_row(s, len(p), root, tree) for s, p, root, tree in zip(slots, PREFIXES, ROOTS, TREES)]
+        logits = forward(model, store, rows)
+        for b, (prefix, root, tree) in enumerate(zip(PREFIXES, ROOTS, TREES)):
+            reference = model(torch.tensor([prefix + [root]])).logits[0, -1]  # [V]
+            assert torch.allclose(logits[b, 0], reference, atol=1e-4), f"session {b} root"
+            for node in range(len(tree)):
+                path = [tree.token_ids[i] for i in tree.path_to(node)]
+                reference = model(torch.tensor([prefix + [root] + path])).logits[0, -1]  # [V]
+                assert torch.allclose(logits[b, node + 1], reference, atol=1e-4), f"session {b} node {node}"
+
+
+def test_compaction_then_next_round_matches_a_fresh_prefill():
+    model = tiny_llama(seed=4)
+    store = SlotStore(max_slots=4, grow_tokens=8)
+    slots = [store.acquire() for _ in PREFIXES]  # 0, 1, 2, 3: the contiguous (view) path
+    with torch.no_grad():
+        prefill_all(model, store, slots, chunk=100)
+        rows = [verify_row(s, len(p), root, tree) for s, p, root, tree in zip(slots, PREFIXES, ROOTS, TREES)]
+        forward(model, store, rows)
+        accepted = [TREES[0].path_to(4), [0, 1], [], [2, 3]]  # node paths each session "accepted"
+        committed = []
+        for b, (prefix, root, tree, path) in enumerate(zip(PREFIXES, ROOTS, TREES, accepted)):
+            store.compact(slots[b], len(prefix), (0, *(n + 1 for n in path)))
+            committed.append(prefix + [root] + [tree.token_ids[n] for n in path])
+        for b, tokens in enumerate(committed):  # the slot holds exactly the committed tokens' K/V
+            reference = model(torch.tensor([tokens]), use_cache=True).cache
+            for layer in range(model.config.num_hidden_layers):
+                keys, values = store.read(layer, slots[b], len(tokens))
+                assert torch.allclose(keys, reference.layers[layer].keys[0], atol=1e-4), (b, layer)
+                assert torch.allclose(values, reference.layers[layer].values[0], atol=1e-4), (b, layer)
+        nxt = [7, 8, 9, 10]
+        rows = [verify_row(s, len(c), t, TokenTree.empty()) for s, c, t in zip(slots, committed, nxt)]
+        logits = forward(model, store, rows)
+        for b, tokens in enumerate(committed):
+            reference = model(torch.tensor([tokens + [nxt[b]]])).logits[0, -1]
+            assert torch.allclose(logits[b, 0], reference, atol=1e-4), b
+
+
+def test_slots_are_reused_lowest_first_and_storage_grows():
+    model = tiny_llama(seed=5)
+    store = SlotStore(max_slots=4, grow_tokens=8)
+    a, b = store.acquire(), store.acquire()
+    assert (a, b) == (0, 1)
+    with torch.no_grad():
+        forward(model, store, [prefill_row(b, 0, list(range(1, 20)))])
+    assert store.keys[0].shape[0] == 2 and store.keys[0].shape[2] == 24  # slots for 0..1, 19 tokens -> 24
+    store.release(a)
+    assert store.acquire() == 0

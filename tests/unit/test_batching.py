@@ -1,0 +1,140 @@
+"""Batched verification's pure parts: forward planning, cost shares, the batch tensors, the scheduler."""
+
+import time
+
+import pytest
+import torch
+
+from specsplit.errors import Unavailable
+from specsplit.tree import TokenTree
+from verifier_service.batching import batch_inputs, cost_shares, plan_forwards, prefill_row, verify_row
+from verifier_service.scheduler import Scheduler, Work
+
+
+def test_equal_rows_share_one_forward():
+    assert plan_forwards([5, 5, 5, 5], overhead_tokens=32) == [[0, 1, 2, 3]]
+
+
+def test_one_long_row_gets_its_own_forward_when_padding_costs_more_than_a_forward():
+    # 7 rows of 2 padded to 60 waste 7 * 58 tokens, far more than a second forward's 32.
+    groups = plan_forwards([2, 2, 60, 2, 2, 2, 2, 2], overhead_tokens=32)
+    assert groups == [[2], [0, 1, 3, 4, 5, 6, 7]]
+
+
+def test_padding_is_kept_when_forwards_are_dear():
+    # On a GPU a forward's fixed cost dwarfs the padding: everything in one forward.
+    assert len(plan_forwards([2, 2, 60, 2, 2, 2, 2, 2], overhead_tokens=10_000)) == 1
+
+
+def test_plan_covers_every_row_once():
+    lengths = [1, 9, 3, 65, 17, 2, 33, 5, 5, 128]
+    groups = plan_forwards(lengths, overhead_tokens=32)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+
+
+def test_cost_shares_add_up_and_split_the_fixed_cost():
+    shares = cost_shares([1, 1, 1, 1], overhead_tokens=32, forward_ms=100.0)
+    assert shares == [25.0] * 4
+    shares = cost_shares([1, 9], overhead_tokens=32, forward_ms=100.0)
+    assert abs(sum(shares) - 100.0) < 1e-9
+    assert shares[1] > shares[0]  # the bigger tree pays for its tokens
+
+
+def test_alone_a_row_pays_the_whole_forward():
+    assert cost_shares([17], overhead_tokens=32, forward_ms=80.0) == [80.0]
+
+
+def test_batch_inputs_pad_and_mask_each_row_to_itself():
+    tree = TokenTree((11, 12, 13), (-1, -1, 0))
+    rows = [verify_row(slot=3, start=5, root_token=7, tree=tree), prefill_row(slot=0, start=2, token_ids=[4, 5])]
+    inputs = batch_inputs(rows, torch.float32)
+    assert inputs.input_ids.tolist() == [[7, 11, 12, 13], [4, 5, 0, 0]]
+    assert inputs.position_ids.tolist() == [[5, 6, 6, 7], [2, 3, 2, 2]]
+    assert inputs.slots.tolist() == [3, 0] and inputs.starts.tolist() == [5, 2]
+    allowed = inputs.attention_mask[:, 0] == 0  # [B, Q, S], S = 5 + 4
+    assert allowed.shape == (2, 4, 9)
+    assert allowed[0, 3].tolist() == [True] * 5 + [True, True, False, True]  # node 2: prefix, root, node 0, itself
+    assert allowed[0, 2].tolist() == [True] * 5 + [True, False, True, False]  # node 1: prefix, root, itself
+    assert allowed[1, 1].tolist() == [True, True, True, True] + [False] * 5  # prefix 2 + causal chunk
+    assert allowed[1, 2].tolist() == [False] * 4 + [True] + [False] * 4  # padding sees only its own key
+
+
+def test_batch_inputs_never_let_a_row_see_past_its_own_prefix():
+    rows = [prefill_row(0, 10, [1]), prefill_row(1, 0, [2, 3, 4])]
+    allowed = batch_inputs(rows, torch.float32).attention_mask[:, 0] == 0  # [2, 3, 13]
+    assert not allowed[1, :, 3:].any()  # the short session cannot see positions the long one fills
+
+
+class Recorder:
+    """A run_tick that records each tick's works and answers them."""
+
+    def __init__(self, delay: float = 0.0):
+        self.ticks: list[list[str]] = []
+        self.delay = delay
+
+    def __call__(self, works):
+        self.ticks.append([w.name for w in works])
+        time.sleep(self.delay)
+        for w in works:
+            w.future.set_result(w.name)
+        return []
+
+
+def named(key, tokens, name):
+    work = Work(key, tokens)
+    work.name = name
+    return work
+
+
+def test_scheduler_batches_up_to_max_batch_and_tokens():
+    rec = Recorder(delay=0.05)
+    sched = Scheduler(rec, max_batch=3, max_tokens=10, wait_s=0.0)
+    try:
+        blocker = sched.submit(named("x", 1, "first"))  # occupies the thread while the rest queue up
+        time.sleep(0.01)
+        futures = [sched.submit(named(k, 4, k)) for k in "abcde"]
+        assert [f.result(timeout=5) for f in [blocker, *futures]] == ["first", *"abcde"]
+    finally:
+        sched.close()
+    assert rec.ticks[1:] == [["a", "b"], ["c", "d"], ["e"]]  # 4 + 4 tokens fit in 10, a third does not
+
+
+def test_scheduler_never_puts_two_works_of_one_session_in_a_tick():
+    rec = Recorder(delay=0.05)
+    sched = Scheduler(rec, max_batch=8, max_tokens=100, wait_s=0.0)
+    try:
+        sched.submit(named("x", 1, "first"))
+        time.sleep(0.01)
+        futures = [sched.submit(named(k, 1, n)) for k, n in [("a", "a1"), ("b", "b1"), ("a", "a2"), ("c", "c1")]]
+        [f.result(timeout=5) for f in futures]
+    finally:
+        sched.close()
+    assert rec.ticks[1:] == [["a1", "b1"], ["a2", "c1"]]
+
+
+def test_scheduler_waits_for_the_cohort_but_not_for_absent_sessions():
+    rec = Recorder()
+    live = [2]
+    sched = Scheduler(rec, max_batch=8, max_tokens=100, wait_s=0.3, live_sessions=lambda: live[0])
+    try:
+        first = sched.submit(named("a", 1, "a"))
+        time.sleep(0.1)
+        second = sched.submit(named("b", 1, "b"))  # within the wait: same tick
+        first.result(timeout=5), second.result(timeout=5)
+        assert rec.ticks == [["a", "b"]]
+        live[0] = 1
+        start = time.perf_counter()
+        sched.submit(named("a", 1, "alone")).result(timeout=5)
+        assert time.perf_counter() - start < 0.2  # the only live session is in: no waiting
+    finally:
+        sched.close()
+
+
+def test_closing_runs_what_was_queued_then_refuses_new_work():
+    rec = Recorder(delay=0.05)
+    sched = Scheduler(rec, max_batch=1, max_tokens=10, wait_s=0.0)
+    running, waiting = sched.submit(named("a", 1, "a")), sched.submit(named("b", 1, "b"))
+    sched.close()
+    assert running.result(timeout=1) == "a" and waiting.result(timeout=1) == "b"
+    with pytest.raises(Unavailable):
+        sched.submit(named("c", 1, "c"))

@@ -1,0 +1,127 @@
+"""The verifier's model thread: gathers pending work into ticks and runs each tick's forwards.
+
+Requests (a Verify, a Prefill, a Release) arrive from gRPC threads as ``Work`` and wait on a future.
+One thread takes them in arrival order into a *tick*: up to ``max_batch`` works and ``max_tokens``
+tokens, waiting at most ``wait_s`` after the first for the rest of the cohort (and not at all once
+every live session has something in the tick). Two works of one session never share a tick: the
+second ends the gathering and opens the next tick. Work that needs more ticks (a long Prefill, one
+chunk per tick) goes first in the next one.
+
+All forwards run on this one thread (see ``specsplit.runner`` for why), under inference mode.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from specsplit.errors import Unavailable
+
+
+@dataclass(eq=False)
+class Work:
+    key: object  # the session this work belongs to
+    tokens: int  # tokens it adds to the tick (0 for bookkeeping such as Release)
+    future: Future = field(default_factory=Future)
+    enqueued: float = field(default_factory=time.perf_counter)
+
+
+_STOP = object()
+
+
+class Scheduler:
+    def __init__(self, run_tick: Callable[[list[Work]], list[Work]], max_batch: int, max_tokens: int, wait_s: float,
+                 live_sessions: Callable[[], int] = lambda: 1 << 30, name: str = "verifier"):
+        """run_tick(works) runs one tick, resolves what finished and returns the works that continue."""
+        self.run_tick = run_tick
+        self.max_batch, self.max_tokens, self.wait_s = max_batch, max_tokens, wait_s
+        self.live_sessions = live_sessions
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._carry: collections.deque[Work] = collections.deque()  # first in the next tick
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=f"specsplit-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, work: Work) -> Future:
+        if self._closed:
+            raise Unavailable("the verifier is shutting down")
+        self._queue.put(work)
+        return work.future
+
+    def close(self) -> None:
+        self._closed = True
+        self._queue.put(_STOP)
+        self._thread.join(timeout=10)
+
+    # -- the model thread ----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            batch = self.gather()
+            if batch is None:
+                break
+            try:
+                with torch.inference_mode():
+                    continuing = self.run_tick(batch)
+            except BaseException as err:  # run_tick resolves its own errors; this is the backstop
+                continuing = []
+                for work in batch:
+                    if not work.future.done():
+                        work.future.set_exception(err)
+            self._carry.extendleft(reversed(continuing))
+        for work in [*self._carry, *self._drain()]:
+            work.future.set_exception(Unavailable("the verifier shut down before this request ran"))
+
+    def gather(self) -> list[Work] | None:
+        """The next tick's works (None once closed)."""
+        batch: list[Work] = []
+        keys: set[int] = set()
+        tokens, deadline = 0, 0.0
+        while len(batch) < self.max_batch:
+            if self._carry:
+                work = self._carry.popleft()
+            else:
+                if not batch:
+                    timeout = None  # idle: block until something arrives
+                elif len(keys) >= self.live_sessions():
+                    timeout = 0.0  # every live session is in: take only what is already queued
+                else:
+                    timeout = max(0.0, deadline - time.perf_counter())
+                work = self._get(timeout)
+                if work is None:
+                    break
+            if work is _STOP:
+                if batch:
+                    self._queue.put(_STOP)
+                    break
+                return None
+            if batch and (id(work.key) in keys or tokens + work.tokens > self.max_tokens):
+                self._carry.appendleft(work)  # opens the next tick
+                break
+            if not batch:
+                deadline = time.perf_counter() + self.wait_s
+            batch.append(work)
+            keys.add(id(work.key))
+            tokens += work.tokens
+        return batch
+
+    def _get(self, timeout: float | None):
+        try:
+            if timeout == 0.0:
+                return self._queue.get_nowait()
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def _drain(self) -> list[Work]:
+        items = []
+        while (item := self._get(0.0)) is not None:
+            if item is not _STOP:
+                items.append(item)
+        return items
