@@ -4,11 +4,12 @@ batched decoding with HF generate.
     python bench/concurrency.py [--sessions 1,2,4,8,16] [--max-new-tokens 64] [--threads 2]
 
 For each concurrency n, the first n prompts of bench/prompts.jsonl (interleaved across kinds) run at the
-same time: n threads, each a specsplit.Client streaming from an embedded stack (verifier + n-gram draft +
-orchestrator, real gRPC on loopback, in a child process: the clients are not the servers), once with
-the batching verifier and once with max_batch=1; and once as a single left-padded HF
-generate(do_sample=False) over the same n chat prompts (in another child process, so each process has
-one OpenMP team). Greedy, fp32, CPU. The methods take turns, never overlap.
+same time: n threads, each a specsplit.Client streaming from the services (verifier, n-gram draft,
+orchestrator; real gRPC on loopback; the verifier in one child process, draft and orchestrator in
+another, the clients in this one, as deployed), once with the batching verifier and once with
+max_batch=1; and once as a single left-padded HF generate(do_sample=False) over the same n chat prompts
+(in a third child process, so each process has one OpenMP team). Greedy, fp32, CPU, all on one machine.
+The methods take turns, never overlap.
 
 Aggregate tokens/s = all new tokens / wall time from the first request to the last token (prefill
 included). Per-token latency = inter-token latency after the first token: a chunk of k tokens arriving
@@ -38,7 +39,7 @@ sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 from run import chat_ids, load_prompts, machine_busy_s, wait_for_quiet  # noqa: E402
 from specsplit.client import Client  # noqa: E402
 from specsplit.config import VerifierConfig  # noqa: E402
-from specsplit.launch import default_proposers, start_stack  # noqa: E402
+from specsplit.launch import default_proposers  # noqa: E402
 from specsplit.models import load_model, load_tokenizer  # noqa: E402
 
 METHODS = ["batched", "one_at_a_time", "hf_batched"]
@@ -95,38 +96,68 @@ def one_session(address: str, prompt: str, max_new: int, start: threading.Barrie
 
 
 class StackWorker:
-    """The two embedded stacks (batching verifier, max_batch=1) in a child process."""
+    """The services in child processes, as they would be deployed: the verifiers (batching, and
+    max_batch=1) in one process, the edge side (n-gram draft + orchestrator for each) in another."""
 
     def __init__(self, threads: int):
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_stack_worker_main, args=(child, threads), daemon=True)
+        self.proc = ctx.Process(target=_verifier_main, args=(child, threads), daemon=True)
         self.proc.start()
-        self.addresses = self.conn.recv()  # {"batched": address, "one_at_a_time": address}
+        verifiers = self.conn.recv()  # {"batched": address, "one_at_a_time": address}
+        self.edge_conn, child = ctx.Pipe()
+        self.edge = ctx.Process(target=_edge_main, args=(child, verifiers), daemon=True)
+        self.edge.start()
+        self.addresses = self.edge_conn.recv()  # method -> orchestrator address
 
     def stats(self, method: str) -> tuple:
-        """The method's verifier's forwards, rows, thinks, summed think ms so far; the stack's CPU seconds."""
+        """The method's verifier's forwards, rows, both processes' CPU seconds, thinks, summed think ms,
+        padded tokens, forward ms, ticks."""
         self.conn.send(method)
-        return self.conn.recv()
+        self.edge_conn.send("cpu")
+        stats = self.conn.recv()
+        return stats[:2] + (stats[2] + self.edge_conn.recv(),) + stats[3:]
 
     def close(self) -> None:
+        self.edge_conn.send(None)
+        self.edge.join(timeout=30)
         self.conn.send(None)
         self.proc.join(timeout=30)
 
 
-def _stack_worker_main(conn, threads: int) -> None:
+def _verifier_main(conn, threads: int) -> None:
+    from specsplit.launch import start_verifier
+
     torch.set_num_threads(threads)
     loaded = load_model(None, "cpu", "float32")
-    proposers = lambda: default_proposers("ngram", None, "cpu", "float32")  # noqa: E731
-    stacks = {"batched": start_stack(loaded, proposers(), VerifierConfig()),
-              "one_at_a_time": start_stack(loaded, proposers(), VerifierConfig(max_batch=1))}
-    conn.send({name: stack.address for name, stack in stacks.items()})
+    servers = {"batched": start_verifier(loaded, config=VerifierConfig()),
+               "one_at_a_time": start_verifier(loaded, config=VerifierConfig(max_batch=1))}
+    conn.send({name: server.address for name, server in servers.items()})
     while (method := conn.recv()) is not None:
-        stats = stacks[method].verifier_engine.stats
+        stats = servers[method].core.stats
         conn.send((stats.forwards, stats.rows, sum(os.times()[:2]), stats.thinks, stats.think_ms, stats.tokens,
                    stats.forward_ms, stats.ticks))
-    for stack in stacks.values():
-        stack.close()
+    for server in servers.values():
+        server.stop(1.0)
+        server.core.close()
+
+
+def _edge_main(conn, verifiers: dict[str, str]) -> None:
+    from specsplit.launch import start_draft, start_orchestrator
+
+    tokenizer = load_tokenizer(None)
+    servers = []
+    addresses = {}
+    for method, verifier in verifiers.items():
+        draft = start_draft(default_proposers("ngram", None, "cpu", "float32")[0])
+        orchestrator = start_orchestrator(verifier, [draft.address], tokenizer)
+        servers += [orchestrator, draft]
+        addresses[method] = orchestrator.address
+    conn.send(addresses)
+    while conn.recv() is not None:
+        conn.send(sum(os.times()[:2]))
+    for server in servers:
+        server.stop(1.0)
 
 
 def run_specsplit(method: str, stacks: StackWorker, prompts: list[dict], max_new: int) -> Result:
@@ -226,7 +257,8 @@ def summarise(method, sessions: list[Session], wall, other, mean_tree, tau, rows
     return Result(method, len(sessions), tokens, round(wall, 3), round(tokens / wall, 2),
                   round(percentile(lat, 0.5) * 1e3, 1), round(percentile(lat, 0.95) * 1e3, 1),
                   round(statistics.median(s.ttft_s for s in sessions) * 1e3, 1), round(mean_tree, 2),
-                  round(tau, 2), round(rows_per_forward, 2), round(other, 2), [s.token_ids for s in sessions])
+                  round(tau, 2), round(rows_per_forward, 2), round(other, 2),
+                  token_ids=[s.token_ids for s in sessions])
 
 
 def markdown(results: list[Result], references: list[list[int]], args) -> str:

@@ -73,7 +73,8 @@ def plan_forwards(lengths: list[int], overhead_tokens: int) -> list[list[int]]:
 
     Padding makes every row of a forward as long as its longest; a forward's fixed cost (reading the
     weights) makes many forwards dear. Rows sorted by length, the best split is into contiguous runs:
-    a small dynamic programme. Returns row indices per forward (longest rows first).
+    a small dynamic programme. Returns row indices per forward, the forward of the shortest rows first:
+    those are Verify rows, answered while the longer forwards (prefill chunks, big trees) still run.
     """
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     n = len(order)
@@ -88,7 +89,7 @@ def plan_forwards(lengths: list[int], overhead_tokens: int) -> list[list[int]]:
     while j > 0:
         groups.append(order[cut[j]:j])
         j = cut[j]
-    return groups[::-1]
+    return groups
 
 
 def cost_shares(lengths: list[int], overhead_tokens: int, forward_ms: float) -> list[float]:

@@ -99,6 +99,29 @@ def test_one_request_at_a_time_gives_the_same_tokens(target, prompts, references
     assert engine.stats.max_rows == 1
 
 
+def test_a_long_prefill_does_not_stall_verification(target):
+    engine = TargetEngine(target, VerifierConfig(prefill_chunk=8))
+    long_prompt = [(7 * i) % 250 + 3 for i in range(300)]  # 38 chunks of 8
+    short = [258, 1, 2, 3]
+    try:
+        engine.prefill("short", short)
+        prefill = threading.Thread(target=engine.prefill, args=("long", long_prompt))
+        prefill.start()
+        while "long" not in engine._sessions:
+            time.sleep(0.001)
+        tokens: list[int] = []
+        while prefill.is_alive() and len(tokens) < 30:
+            tokens += engine.verify("short", TokenTree.empty(), len(short) + len(tokens)).verdict.committed_token_ids
+        during_prefill = len(tokens)
+        prefill.join(timeout=60)
+        assert during_prefill >= 5  # the short session kept decoding, a token per chunk of the long prompt
+        assert tokens == hf_greedy(target.model, short, len(tokens))
+        assert engine.verify("long", TokenTree.empty(), 300).verdict.next_token_id == hf_greedy(
+            target.model, long_prompt, 1)[0]
+    finally:
+        engine.close()
+
+
 def test_session_cap_answers_resource_exhausted_at_once(target):
     engine = TargetEngine(target, VerifierConfig(max_sessions=2))
     try:
