@@ -20,3 +20,15 @@ def redis_server():
     server = RedisServer().start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The tiny target saved where child processes can load it, and the same model in this process."""
+    from tiny import tiny_loaded
+
+    path = tmp_path_factory.mktemp("tiny-target")
+    loaded = tiny_loaded(seed=0)
+    loaded.model.save_pretrained(path)
+    loaded.tokenizer.save_pretrained(path)
+    return path, loaded

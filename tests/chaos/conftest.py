@@ -7,18 +7,6 @@ import sys
 
 import pytest
 
-from tiny import tiny_loaded
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """The tiny target saved where child processes can load it, and the same model in this process."""
-    path = tmp_path_factory.mktemp("tiny-target")
-    loaded = tiny_loaded(seed=0)
-    loaded.model.save_pretrained(path)
-    loaded.tokenizer.save_pretrained(path)
-    return path, loaded
-
 
 class Services:
     """Starts ``python -m specsplit.cli serve SERVICE ...`` children; stops whatever is left at the end."""

@@ -7,19 +7,10 @@ import sys
 
 import pytest
 
-from tiny import hf_greedy, tiny_loaded
+from tiny import hf_greedy
 
 JSON_KEYS = {"prompt_token_ids", "token_ids", "text", "rounds", "mean_accepted_tokens", "tokens_per_second",
              "elapsed_s"}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-target")
-    loaded = tiny_loaded(seed=0)
-    loaded.model.save_pretrained(path)
-    loaded.tokenizer.save_pretrained(path)
-    return path, loaded
 
 
 def cli(*args, timeout=120):
