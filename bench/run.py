@@ -93,8 +93,8 @@ def hf_generate(loaded, ids: list[int], max_new: int, **extra) -> Run:
     eos = loaded.tokenizer.eos_token_id
     with ForwardCounter(loaded.model) as counter, torch.inference_mode():
         start = time.perf_counter()
-        out = loaded.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                                    max_new_tokens=max_new, pad_token_id=eos, **extra)
+        out = loaded.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new,
+                                    pad_token_id=eos, **{"do_sample": False, **extra})
         seconds = time.perf_counter() - start
     new = out[0, len(ids):].tolist()
     return Run(new, seconds, counter.count, len(new) - counter.count)  # every forward yields one token + accepted

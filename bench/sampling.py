@@ -41,7 +41,6 @@ def specsplit_run(client, prompt, max_new, temperature, seed):
 
 def hf_run(hf, ids, max_new, temperature, seed):
     extra = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else {}
-    torch.manual_seed(seed)
     run = hf.generate(ids, max_new, **extra)
     return len(run.token_ids), run.seconds
 
