@@ -19,6 +19,10 @@ Writes <out>/concurrency.json and <out>/concurrency.md.
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see specsplit/__init__.py
+
 import argparse
 import json
 import multiprocessing

@@ -15,6 +15,10 @@ Writes <out>/failover.json and prints a markdown table.
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see specsplit/__init__.py
+
 import argparse
 import json
 import os

@@ -10,6 +10,10 @@ the two take turns, never overlap. Writes <out>/pipeline.json (raw numbers) and 
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see specsplit/__init__.py
+
 import argparse
 import contextlib
 import json

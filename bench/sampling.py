@@ -10,6 +10,10 @@ Writes <out>/sampling.json and <out>/sampling.md.
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see specsplit/__init__.py
+
 import argparse
 import contextlib
 import json

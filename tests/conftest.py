@@ -3,6 +3,7 @@ import sys
 import pathlib
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as specsplit/__init__.py does, before torch loads
 sys.path.insert(0, str(pathlib.Path(__file__).parent))  # tests/tiny.py
 
 import torch  # noqa: E402
