@@ -20,6 +20,11 @@ class Verdict:
     accepted_token_ids: tuple[int, ...]  # [A] their tokens
     next_token_id: int  # the recovered or bonus token
 
+    @classmethod
+    def along(cls, tree: TokenTree, accepted: list[int], next_token_id: int) -> "Verdict":
+        """The verdict for an accepted path of tree nodes and the token that follows it."""
+        return cls(tuple(accepted), tuple(tree.token_ids[n] for n in accepted), int(next_token_id))
+
     @property
     def committed_token_ids(self) -> tuple[int, ...]:
         return (*self.accepted_token_ids, self.next_token_id)
@@ -37,9 +42,7 @@ def accept_greedy(tree: TokenTree, target_token_ids: list[int], max_commit: int 
     max_commit: commit at most this many tokens (0 = no limit).
     """
     assert len(target_token_ids) == len(tree) + 1, (len(target_token_ids), len(tree))
-    children: dict[int, list[int]] = {}
-    for node, parent in enumerate(tree.parents):
-        children.setdefault(parent, []).append(node)
+    children = tree.child_lists
     accepted: list[int] = []
     node, row = -1, 0
     while max_commit <= 0 or len(accepted) + 1 < max_commit:
@@ -49,8 +52,4 @@ def accept_greedy(tree: TokenTree, target_token_ids: list[int], max_commit: int 
             break
         accepted.append(match)
         node, row = match, match + 1
-    return Verdict(
-        accepted_nodes=tuple(accepted),
-        accepted_token_ids=tuple(tree.token_ids[n] for n in accepted),
-        next_token_id=int(target_token_ids[row]),
-    )
+    return Verdict.along(tree, accepted, target_token_ids[row])

@@ -90,9 +90,7 @@ def accept_sampled(tree: TokenTree, p: torch.Tensor, node_q: tuple[SparseDist | 
     assert p.shape[0] == len(tree) + 1, (p.shape, len(tree))
     assert len(node_q) in (0, len(tree))
     vocab = p.shape[-1]
-    children: dict[int, list[int]] = {}
-    for node, parent in enumerate(tree.parents):
-        children.setdefault(parent, []).append(node)
+    children = tree.child_lists
     accepted: list[int] = []
     node, row = -1, 0
     while True:
@@ -124,8 +122,4 @@ def accept_sampled(tree: TokenTree, p: torch.Tensor, node_q: tuple[SparseDist | 
             break
         accepted.append(chosen)
         node, row = chosen, chosen + 1
-    return Verdict(
-        accepted_nodes=tuple(accepted),
-        accepted_token_ids=tuple(tree.token_ids[n] for n in accepted),
-        next_token_id=sample(residual.float(), generator),
-    )
+    return Verdict.along(tree, accepted, sample(residual.float(), generator))

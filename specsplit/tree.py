@@ -133,6 +133,14 @@ class TokenTree:
             depths.append(1 if parent < 0 else depths[parent] + 1)
         return tuple(depths)
 
+    @cached_property
+    def child_lists(self) -> dict[int, list[int]]:
+        """Children of every node that has any (-1: the root's), in index order."""
+        children: dict[int, list[int]] = {}
+        for node, parent in enumerate(self.parents):
+            children.setdefault(parent, []).append(node)
+        return children
+
     @property
     def depth(self) -> int:
         return max(self.depths, default=0)
