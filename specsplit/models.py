@@ -41,6 +41,7 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     name: str  # what users passed (a path or the default's name)
     fingerprint: str  # tokenizer fingerprint
+    identity: str = ""  # which weights these are (see target_identity); "" until asked
 
 
 def cache_dir() -> pathlib.Path:
@@ -144,8 +145,24 @@ def load_model(spec: str | os.PathLike | None, device: str | None = "auto", dtyp
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
     model.to(resolve_device(device)).eval()
-    name = DEFAULT_TARGET if spec in (None, "", "default", DEFAULT_TARGET) else str(spec)
-    return LoadedModel(model, tokenizer, name, tokenizer_fingerprint(tokenizer))
+    default = spec in (None, "", "default", DEFAULT_TARGET)
+    name = DEFAULT_TARGET if default else str(spec)
+    identity = f"{DEFAULT_TARGET}@gguf-sha256:{DEFAULT_GGUF_SHA256}" if default else ""
+    return LoadedModel(model, tokenizer, name, tokenizer_fingerprint(tokenizer), identity)
+
+
+def target_identity(loaded: LoadedModel) -> str:
+    """Names the exact weights: what a trained draft's manifest must match (see specsplit.heads).
+
+    The default target is named by its GGUF's sha256; any other model by a sha256 over its parameters.
+    """
+    if not loaded.identity:
+        digest = hashlib.sha256()
+        for key, tensor in sorted(loaded.model.state_dict().items()):
+            digest.update(key.encode())
+            digest.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        loaded.identity = f"params-sha256:{digest.hexdigest()[:32]}"
+    return loaded.identity
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
