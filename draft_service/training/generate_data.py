@@ -226,6 +226,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--shard-size", type=int, default=128,
                     help="prompts per shard; a shard is the unit of resume (default 128)")
     ap.add_argument("--max-shards", type=int, default=None, help="stop after this many shards exist")
+    ap.add_argument("--first-shard", type=int, default=0,
+                    help="start at this shard (prompt index first_shard * shard_size): a second process on another "
+                         "core writes later prompts into another --out; train reads several --data dirs")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (set OMP_NUM_THREADS to match)")
     ap.add_argument("--max-mismatch-rate", type=float, default=0.01,
                     help="abort if more than this fraction of response positions fail the greedy check")
@@ -262,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     log.info("target %s (fingerprint %s), %d prompts, %d shards of %d, %d done, out %s, threads %d",
              loaded.name, loaded.fingerprint, len(prompts), num_shards, args.shard_size, len(shard_stats), out,
              torch.get_num_threads())
-    for shard in range(num_shards):
+    for shard in range(args.first_shard, num_shards):
         path = shard_path(out, shard)
         if path.exists() and shard in shard_stats:
             continue

@@ -195,7 +195,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("kind", choices=sorted(TASKS), help="which draft to train")
     p.add_argument("--out", type=pathlib.Path, required=True, help="artifact directory to write")
-    p.add_argument("--data", type=pathlib.Path, default=None, help="training data dir (default: generate_data's)")
+    p.add_argument("--data", type=pathlib.Path, action="append", default=None,
+                   help="training data dir, repeatable (default: generate_data's)")
     p.add_argument("--target-model", default=None, help="the target (default: SmolLM2-135M-Instruct)")
     p.add_argument("--epochs", type=float, default=2.0, help="passes over the data (fractions allowed)")
     p.add_argument("--max-minutes", type=float, default=40.0, help="stop training after this long")
@@ -226,8 +227,9 @@ def main(argv=None) -> None:
     target = loaded.model
     for param in target.parameters():
         param.requires_grad_(False)
-    description = read_description(args.data)
-    seqs = load_sequences(args.data)
+    dirs = args.data or [None]
+    description = read_description(dirs[0])
+    seqs = [s for d in dirs for s in load_sequences(d)]
     rng.shuffle(seqs)
     n_val = max(1, int(len(seqs) * args.val_fraction))
     val_seqs, train_seqs = seqs[:n_val], seqs[n_val:]
@@ -277,7 +279,7 @@ def main(argv=None) -> None:
     manifest = Manifest(
         kind=args.kind, name=args.name or args.out.name, target_identity=target_identity(loaded),
         tokenizer_fingerprint=loaded.fingerprint, config=task.manifest_config(),
-        data=(f"{description.get('sequences', len(seqs))} synthetic chat prompts (draft_service.training.prompts, "
+        data=(f"{len(seqs)} synthetic chat prompts (draft_service.training.prompts, "
               f"seed {description.get('seed')}) with the target's greedy responses, generated here by "
               f"draft_service.training.generate_data: {train_tokens} training tokens"),
         training={"seed": args.seed, "steps": step, "epochs": round(step / max(steps_per_epoch, 1), 3),
