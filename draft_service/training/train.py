@@ -104,18 +104,19 @@ class EagleTask:
         positions = torch.arange(1, T)[None].expand(B, -1)  # [B, T-1]
         wanted = f[:, 1:]  # [B, T-1, H] f_{t+1}
         rows = batch["valid"][:, 1:]  # [B, T-1] rows whose x_{t+1} exists
-        labels = remap(torch.where(rows, batch["target_next"][:, 1:], IGNORE), self.model.vocab_ids,
-                       self.vocab_size)  # [B, T-1]
-        judged = batch["response"][:, 1:] & rows  # [B, T-1] agreement is counted on response rows
+        response = batch["response"]  # [B, T]
+        label_in_response = torch.cat([response[:, 2:], response[:, -1:]], 1)  # [B, T-1] x_{t+2} is a response token
+        judged = label_in_response & rows  # [B, T-1] drafting happens in the response: score those rows
+        labels = remap(batch["target_next"][:, 1:][judged], self.model.vocab_ids, self.vocab_size)  # [R]
         loss, stats = 0.0, []
         for step in range(self.unroll):
             predicted, _ = self.model(inputs, tokens, positions)  # [B, T-1, H]
-            logits = self.model.logits(predicted)  # [B, T-1, V']
             regression = F.smooth_l1_loss(predicted[rows], wanted[rows])
-            ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
+            logits = self.model.logits(predicted[judged])  # [R, V'] only rows whose token is scored
+            ce = F.cross_entropy(logits, labels, ignore_index=IGNORE)
             loss = loss + (regression + self.ce_weight * ce) / (step + 1)
-            hit = (logits.argmax(-1) == labels) & judged & (labels != IGNORE)
-            stats.append((int(hit.sum()), int(judged.sum())))
+            hit = (logits.argmax(-1) == labels) & (labels != IGNORE)
+            stats.append((int(hit.sum()), len(labels)))
             # Next pass: row t reads the drafter's own prediction of f_t (row t-1's output), as deeper
             # tree levels do; row 0 keeps the true f_0.
             inputs = torch.cat([f[:, :1], predicted[:, :-1].detach()], 1)  # [B, T-1, H]
@@ -139,11 +140,12 @@ class MedusaTask:
             shift = 2 + k
             labels = torch.full_like(batch["token_ids"], IGNORE)  # [B, T] x_{t+2+k} where it is a response token
             labels[:, :-shift] = torch.where(batch["response"][:, shift:], batch["token_ids"][:, shift:], IGNORE)
-            labels = remap(labels, self.vocab_ids, self.vocab_size)
-            logits = out[k] @ self.head.T  # [B, T, V']
-            loss = loss + F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
+            scored = labels != IGNORE  # [B, T]
+            labels = remap(labels[scored], self.vocab_ids, self.vocab_size)  # [R]
+            logits = out[k][scored] @ self.head.T  # [R, V']
+            loss = loss + F.cross_entropy(logits, labels, ignore_index=IGNORE)
             hit = (logits.argmax(-1) == labels) & (labels != IGNORE)
-            stats.append((int(hit.sum()), int((labels != IGNORE).sum())))
+            stats.append((int(hit.sum()), len(labels)))
         return loss, stats
 
     def manifest_config(self) -> dict:
