@@ -33,7 +33,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from draft_service.training.dataset import Sequence, load_sequences, read_description
+from safetensors.torch import load_file
+
+from draft_service.training.dataset import Sequence, load_sequences, read_description, shard_paths, split_shard
 from specsplit.heads import (FeatureDrafter, Manifest, MedusaHeads, build_draft_lm, draft_lm_manifest_config,
                              frequent_ids, save_artifact)
 from specsplit.models import load_model, target_identity
@@ -212,6 +214,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4, help="medusa: number of heads")
     p.add_argument("--layers", type=int, default=2, help="draft_lm: target layers to start from")
     p.add_argument("--val-fraction", type=float, default=0.03)
+    p.add_argument("--reload-data", action=argparse.BooleanOptionalAction, default=True,
+                   help="each epoch, add shards that appeared since the start (a generator still running)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--name", default=None, help="artifact name (default: the --out directory's name)")
@@ -245,37 +249,50 @@ def main(argv=None) -> None:
     coverage = float(counts[vocab_ids].sum() / counts.sum())
     task = TASKS[args.kind](target, vocab_ids, args)
     params = [p for p in task.model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)  # lr set every step (warmup + cosine)
     train_tokens = sum(len(s.token_ids) for s in train_seqs)
     steps_per_epoch = len(batches(train_seqs, args.batch_tokens, random.Random(0)))
     total_steps = max(1, int(steps_per_epoch * args.epochs))
     warmup = min(100, total_steps // 10 + 1)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) *
-                                                 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
     val = batches(val_seqs, args.batch_tokens, random.Random(0))
     print(f"{args.kind}: {len(train_seqs)} train / {len(val_seqs)} val sequences, {train_tokens} train tokens, "
-          f"{total_steps} steps, head vocab {len(vocab_ids)} covers {coverage:.4f} of target tokens", flush=True)
+          f"<= {total_steps} steps, head vocab {len(vocab_ids)} covers {coverage:.4f} of target tokens", flush=True)
     print(f"before training: held-out agreement {evaluate(task, val)}", flush=True)
-    step, deadline = 0, started + 60 * args.max_minutes
-    train_start = time.perf_counter()
+    step, train_start = 0, time.perf_counter()
+    budget_s = 60 * args.max_minutes - (train_start - started)
+    seen = {p for d in dirs for p in shard_paths(d)}
     task.model.train()
-    while step < total_steps and time.perf_counter() < deadline:
+
+    def progress() -> float:  # the cosine schedule runs on steps or on the time budget, whichever ends first
+        return max(step / total_steps, (time.perf_counter() - train_start) / budget_s)
+
+    while progress() < 1.0:
+        if args.reload_data:  # shards a data generator finished meanwhile join the training set
+            fresh = [p for d in dirs for p in shard_paths(d) if p not in seen]
+            for path in fresh:
+                seen.add(path)
+                train_seqs.extend(split_shard(load_file(str(path))))
+            if fresh:
+                print(f"epoch start: +{len(fresh)} shards, {len(train_seqs)} train sequences", flush=True)
         for group in batches(train_seqs, args.batch_tokens, rng):
+            lr = args.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(progress(), 1.0)))
+            for g in optimizer.param_groups:
+                g["lr"] = lr
             loss, stats = task.losses(pad(group), train=True)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
-            schedule.step()
             step += 1
             if step % 50 == 0:
                 acc = [round(h / max(n, 1), 3) for h, n in stats]
                 rate = step * args.batch_tokens / (time.perf_counter() - train_start)
-                print(f"step {step}/{total_steps} loss {float(loss):.4f} train agreement {acc} "
+                print(f"step {step} progress {progress():.2f} loss {float(loss):.4f} train agreement {acc} "
                       f"~{rate:.0f} padded tok/s", flush=True)
-            if step >= total_steps or time.perf_counter() >= deadline:
+            if progress() >= 1.0:
                 break
     agreement = evaluate(task, val)
+    train_tokens = sum(len(s.token_ids) for s in train_seqs)
     elapsed = time.perf_counter() - started
     print(f"after {step} steps ({elapsed / 60:.1f} min): held-out agreement per depth/head {agreement}", flush=True)
     manifest = Manifest(
@@ -284,7 +301,7 @@ def main(argv=None) -> None:
         data=(f"{len(seqs)} synthetic chat prompts (draft_service.training.prompts, "
               f"seed {description.get('seed')}) with the target's greedy responses, generated here by "
               f"draft_service.training.generate_data: {train_tokens} training tokens"),
-        training={"seed": args.seed, "steps": step, "epochs": round(step / max(steps_per_epoch, 1), 3),
+        training={"seed": args.seed, "steps": step, "sequences": len(train_seqs),
                   "lr": args.lr, "batch_tokens": args.batch_tokens, "elapsed_s": round(elapsed, 1),
                   "threads": torch.get_num_threads(), "head_vocab": len(vocab_ids),
                   "head_vocab_coverage": round(coverage, 5), "command": " ".join([sys.executable, *sys.argv]),
