@@ -261,3 +261,73 @@ class ModelProposer:
         ids = torch.tensor([[tree.token_ids[n] for n in frontier]], dtype=torch.long, device=device)  # [1, F]
         positions = torch.tensor([[committed - 1 + tree.depths[n] for n in frontier]], device=device)  # [1, F]
         return self._forward(ids, positions, mask, cache)  # [F, V] logits
+
+
+class CombinedProposer:
+    """A model drafter's tree with the n-gram lookup's branches merged in: code edits keep their n-gram
+    gains (long copied spans) and everything else gets the model's tree.
+
+    The n-gram lookup gets up to half the node budget, the model the rest. Greedy: a trie union (a
+    model node equal to an n-gram node under the same parent is the same node). Sampling: the model's
+    nodes were drawn i.i.d. from q and must be kept or cut by their position, never by their value, so
+    the two trees are joined side by side without merging (siblings may repeat a token).
+    """
+
+    def __init__(self, model, ngram: NgramProposer):
+        self.model, self.ngram = model, ngram
+        self.name = f"{model.name}+ngram"
+        self.tokenizer_fingerprint = model.tokenizer_fingerprint
+        self.target_identity = getattr(model, "target_identity", "")
+        self.wants_features = getattr(model, "wants_features", False)
+        self.artifact = getattr(model, "artifact", "")
+        self._sampled: dict[str, bool] = {}
+
+    def start(self, session_id: str, prompt_token_ids: list[int], sampling: SamplingParams | None = None) -> None:
+        sampling = sampling or SamplingParams()
+        self.model.start(session_id, prompt_token_ids, sampling)
+        self.ngram.start(session_id, prompt_token_ids, sampling)
+        self._sampled[session_id] = not sampling.greedy
+
+    def add_features(self, session_id: str, chunks) -> None:
+        self.model.add_features(session_id, chunks)
+
+    def propose(self, session_id: str, token_ids: list[int], max_nodes: int) -> TokenTree:
+        lookup = self.ngram.propose(session_id, token_ids, max_nodes // 2)
+        drafted = self.model.propose(session_id, token_ids, max_nodes - len(lookup))
+        return union_trees(lookup, drafted, max_nodes, merge=not self._sampled[session_id])
+
+    def end(self, session_id: str) -> None:
+        self.model.end(session_id)
+        self.ngram.end(session_id)
+        self._sampled.pop(session_id, None)
+
+
+def union_trees(first: TokenTree, second: TokenTree, max_nodes: int, merge: bool = True) -> TokenTree:
+    """``first`` then ``second``'s nodes (parents before children) under one root, at most ``max_nodes``.
+
+    merge: a node of ``second`` equal to an existing node (same parent, same token) is that node. A node
+    that does not fit, or whose parent did not, is dropped.
+    """
+    tokens, parents = list(first.token_ids), list(first.parents)
+    probs = list(first.draft_probs) or [1.0] * len(tokens)
+    node_q = list(first.node_q) or [None] * len(tokens)
+    index = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))} if merge else {}
+    placed: dict[int, int] = {-1: -1}  # second's node -> its node in the union
+    for node, (parent, token) in enumerate(zip(second.parents, second.token_ids)):
+        if parent not in placed:
+            continue
+        key = (placed[parent], token)
+        if key in index:
+            placed[node] = index[key]
+            continue
+        if len(tokens) >= max_nodes:
+            continue
+        placed[node] = len(tokens)
+        if merge:
+            index[key] = len(tokens)
+        tokens.append(token)
+        parents.append(key[0])
+        probs.append(second.draft_probs[node] if second.draft_probs else 1.0)
+        node_q.append(second.node_q[node] if second.node_q else None)
+    sampled = any(q is not None for q in node_q)
+    return TokenTree(tuple(tokens), tuple(parents), tuple(probs), tuple(node_q) if sampled else ())

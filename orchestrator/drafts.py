@@ -19,7 +19,7 @@ from specsplit.tree import TokenTree
 
 log = logging.getLogger("orchestrator.generation")
 
-DRAFT_CHOICES = ("auto", "ngram", "model", "none")
+DRAFT_CHOICES = ("auto", "ngram", "model", "eagle", "eagle+ngram", "medusa", "none")
 
 
 class DraftMixin:
@@ -44,6 +44,10 @@ class DraftMixin:
         """The draft service for a request's --draft choice (None: target-only)."""
         if choice not in DRAFT_CHOICES:
             raise InvalidArgument(f"unknown draft {choice!r}; choose one of {', '.join(DRAFT_CHOICES)}")
+        if choice == "medusa":
+            if not self.verifier_info.medusa:
+                raise InvalidArgument("--draft medusa needs a verifier started with Medusa heads (--medusa PATH)")
+            return None  # self-speculation: the verifier proposes, no draft service
         if choice == "none" or not self.drafts:
             return None
         if choice == "auto":
@@ -56,20 +60,32 @@ class DraftMixin:
                               f"{', '.join(self.draft_names()) or 'none'} (use --draft none or auto)")
 
     # -- drafts --------------------------------------------------------------------------------------
-    def _max_nodes(self, draft) -> int:
+    def _max_nodes(self, draft, choice: str = "") -> int:
+        if choice == "medusa":
+            return min(self.verifier_info.max_tree_nodes, self.verifier_info.medusa_max_nodes or 64)
         info = self._draft_info_of(draft) if draft is not None else None
         draft_max = info.max_nodes if info is not None and info.max_nodes else 64
         return min(self.verifier_info.max_tree_nodes, draft_max)
 
+    def _set_draft_mode(self, session: LiveSession, choice: str) -> None:
+        """Medusa self-speculation, or whether the session's draft reads the target's features."""
+        session.medusa = choice == "medusa"
+        info = self._draft_info_of(session.draft) if session.draft is not None else None
+        session.wants_features = bool(info and info.wants_features)
+
     def _drafter_name(self, session: LiveSession) -> str:
+        if session.medusa:
+            return "medusa"
         info = self._draft_info_of(session.draft) if session.draft is not None else None
         return info.drafter if info else "none"
 
     def _start_draft(self, session: LiveSession) -> None:
         try:
             session.draft.start(session.id, session.token_ids, self.verifier_info.tokenizer_fingerprint,
-                                timeout=self.config.draft_timeout_s, sampling=session.sampling)
+                                timeout=self.config.draft_timeout_s, sampling=session.sampling,
+                                target_identity=self.verifier_info.target_identity)
             session.unsent = []
+            session.features = []  # a restarted draft reads features from the next ones on
             session.state.draft_down_until = 0
         except RpcError as err:
             if _is_refusal(err):
@@ -78,6 +94,9 @@ class DraftMixin:
 
     def _propose(self, session: LiveSession, budget: int) -> tuple[TokenTree, float | None]:
         state = session.state
+        if session.medusa:  # the verifier's own proposal, cut to the budget; its cost is in verify_ms
+            tree, session.proposal = (session.proposal or TokenTree.empty()).truncated(max(budget, 0)), None
+            return tree, 0.0 if len(tree) else None
         if session.draft is None:
             return TokenTree.empty(), None
         if state.draft_down_until:
@@ -91,11 +110,12 @@ class DraftMixin:
             return TokenTree.empty(), None  # no call: committed tokens travel with the next Propose
         try:
             tree, draft_ms = session.draft.propose(session.id, session.unsent, len(session.token_ids), budget,
-                                                   timeout=self.config.draft_timeout_s)
+                                                   timeout=self.config.draft_timeout_s, features=session.features)
         except RpcError as err:
             self._draft_failed(session, err)
             return TokenTree.empty(), None
         session.unsent = []
+        session.features = []
         return tree, draft_ms
 
     def _draft_replica_after(self, draft):

@@ -92,6 +92,13 @@ class TokenTree:
                 parent = index[key]
         return cls(tuple(token_ids), tuple(parents), (1.0,) * len(token_ids))
 
+    def truncated(self, max_nodes: int) -> "TokenTree":
+        """The first ``max_nodes`` nodes: still a tree, since parents come before their children."""
+        if len(self) <= max_nodes:
+            return self
+        return TokenTree(self.token_ids[:max_nodes], self.parents[:max_nodes], self.draft_probs[:max_nodes],
+                         self.node_q[:max_nodes])
+
     def __len__(self) -> int:
         return len(self.token_ids)
 
