@@ -84,8 +84,7 @@ class DraftMixin:
             session.draft.start(session.id, session.token_ids, self.verifier_info.tokenizer_fingerprint,
                                 timeout=self.config.draft_timeout_s, sampling=session.sampling,
                                 target_identity=self.verifier_info.target_identity)
-            session.unsent = []
-            session.features = []  # a restarted draft reads features from the next ones on
+            session.unsent = []  # (features held for the draft stay: a fresh draft session starts its cache at them)
             session.state.draft_down_until = 0
         except RpcError as err:
             if _is_refusal(err):

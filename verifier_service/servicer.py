@@ -33,7 +33,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             dtype=str(e.dtype).removeprefix("torch."),
             num_sessions=e.num_sessions(),
             target_identity=target_identity(e.loaded),
-            medusa=e.medusa.name if e.medusa is not None else "",
+            medusa=(e.medusa.name or "medusa") if e.medusa is not None else "",
             medusa_max_nodes=e.medusa.max_nodes if e.medusa is not None else 0,
         )
 
