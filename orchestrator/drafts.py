@@ -15,11 +15,12 @@ from opentelemetry import trace
 from orchestrator.session import LiveSession
 from specsplit.errors import FailedPrecondition, InvalidArgument
 from specsplit.rpc import DraftInfo, RpcError
-from specsplit.tree import TokenTree
+from specsplit.tree import TokenTree, union_trees
 
 log = logging.getLogger("orchestrator.generation")
 
-DRAFT_CHOICES = ("auto", "ngram", "model", "eagle", "eagle+ngram", "medusa", "none")
+DRAFT_CHOICES = ("auto", "ngram", "model", "eagle", "eagle+ngram", "medusa", "medusa+ngram", "none")
+MEDUSA = ("medusa", "medusa+ngram")  # self-speculation in the verifier (+ngram: merged with a lookup draft's tree)
 
 
 class DraftMixin:
@@ -44,10 +45,12 @@ class DraftMixin:
         """The draft service for a request's --draft choice (None: target-only)."""
         if choice not in DRAFT_CHOICES:
             raise InvalidArgument(f"unknown draft {choice!r}; choose one of {', '.join(DRAFT_CHOICES)}")
-        if choice == "medusa":
+        if choice in MEDUSA:
             if not self.verifier_info.medusa:
-                raise InvalidArgument("--draft medusa needs a verifier started with Medusa heads (--medusa PATH)")
-            return None  # self-speculation: the verifier proposes, no draft service
+                raise InvalidArgument(f"--draft {choice} needs a verifier started with Medusa heads (--medusa PATH)")
+            if choice == "medusa":
+                return None  # self-speculation: the verifier proposes, no draft service
+            choice = "ngram"
         if choice == "none" or not self.drafts:
             return None
         if choice == "auto":
@@ -63,19 +66,21 @@ class DraftMixin:
     def _max_nodes(self, draft, choice: str = "") -> int:
         if choice == "medusa":
             return min(self.verifier_info.max_tree_nodes, self.verifier_info.medusa_max_nodes or 64)
+        if choice == "medusa+ngram":
+            return self.verifier_info.max_tree_nodes
         info = self._draft_info_of(draft) if draft is not None else None
         draft_max = info.max_nodes if info is not None and info.max_nodes else 64
         return min(self.verifier_info.max_tree_nodes, draft_max)
 
     def _set_draft_mode(self, session: LiveSession, choice: str) -> None:
         """Medusa self-speculation, or whether the session's draft reads the target's features."""
-        session.medusa = choice == "medusa"
+        session.medusa = choice in MEDUSA
         info = self._draft_info_of(session.draft) if session.draft is not None else None
         session.wants_features = bool(info and info.wants_features)
 
     def _drafter_name(self, session: LiveSession) -> str:
         if session.medusa:
-            return "medusa"
+            return "medusa+ngram" if session.draft is not None else "medusa"
         info = self._draft_info_of(session.draft) if session.draft is not None else None
         return info.drafter if info else "none"
 
@@ -92,10 +97,20 @@ class DraftMixin:
             self._draft_failed(session, err)
 
     def _propose(self, session: LiveSession, budget: int) -> tuple[TokenTree, float | None]:
+        if session.medusa:
+            return self._propose_medusa(session, budget)
+        return self._propose_draft(session, budget)
+
+    def _propose_medusa(self, session: LiveSession, budget: int) -> tuple[TokenTree, float | None]:
+        """The verifier's own Medusa tree (its cost is in verify_ms), merged with the n-gram lookup's tree
+        (up to half the budget) when the session has a lookup draft: both are deterministic, so a trie union."""
+        proposal, session.proposal = session.proposal or TokenTree.empty(), None
+        lookup, draft_ms = self._propose_draft(session, budget // 2) if session.draft is not None else (TokenTree.empty(), None)
+        tree = union_trees(lookup, proposal, max(budget, 0))
+        return tree, (draft_ms or 0.0) if len(tree) else None
+
+    def _propose_draft(self, session: LiveSession, budget: int) -> tuple[TokenTree, float | None]:
         state = session.state
-        if session.medusa:  # the verifier's own proposal, cut to the budget; its cost is in verify_ms
-            tree, session.proposal = (session.proposal or TokenTree.empty()).truncated(max(budget, 0)), None
-            return tree, 0.0 if len(tree) else None
         if session.draft is None:
             return TokenTree.empty(), None
         if state.draft_down_until:

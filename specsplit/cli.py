@@ -29,8 +29,9 @@ DRAFT_HELP = ("drafter: auto (a --draft-model if given; else the shipped eagle a
               "best measured tau, combined with n-gram lookup; else n-gram prompt lookup), ngram, model (needs "
               "--draft-model), eagle (EAGLE-style feature drafter; --draft-artifact or the shipped one), "
               "eagle+ngram (its tree merged with the n-gram lookup's), medusa (the verifier's own Medusa heads, "
-              "no draft service; --medusa or the shipped ones), none (target only)")
-DRAFTS = ["auto", "ngram", "model", "eagle", "eagle+ngram", "medusa", "none"]
+              "no draft service; --medusa or the shipped ones), medusa+ngram, none (target only). auto picks "
+              "between the shipped eagle and medusa artifacts by the tau measured in their manifests")
+DRAFTS = ["auto", "ngram", "model", "eagle", "eagle+ngram", "medusa", "medusa+ngram", "none"]
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -162,9 +163,13 @@ def generate(args) -> int:
     else:
         from specsplit.launch import default_proposers, load_model, start_stack
 
+        from specsplit.launch import auto_draft
+
         target = load_model(args.target_model, args.device, args.dtype)
+        if args.draft == "auto" and not args.draft_model:
+            args.draft = auto_draft(target)
         medusa = None
-        if args.draft == "medusa":
+        if args.draft in ("medusa", "medusa+ngram"):
             from verifier_service.medusa import load_medusa
 
             medusa = load_medusa(args.medusa, target)

@@ -137,20 +137,35 @@ def start_stack(target: LoadedModel, proposers: list, verifier_config: VerifierC
 def default_proposers(draft: str, draft_model: str | None, device: str | None, dtype: str,
                       config: DraftConfig | None = None, artifact: str | None = None, target: LoadedModel | None = None,
                       target_model: str | None = None) -> list:
-    """The drafters behind --draft. auto: a draft model if one was given; else the shipped eagle artifact
-    for the target with the best measured tau, merged with n-gram lookup (eagle+ngram); else n-gram.
-    medusa runs in the verifier: no draft service."""
+    """The drafters behind --draft (auto: a draft model if one was given, else see ``auto_draft``).
+    medusa runs in the verifier (no draft service); medusa+ngram adds an n-gram lookup draft."""
+    if draft == "auto" and not draft_model:
+        draft = auto_draft(target) if target is not None else "ngram"
     if draft in ("none", "medusa"):
         return []
-    if draft == "auto" and not draft_model:
-        draft = "eagle+ngram" if target is not None and shipped_artifact("eagle", target) else "ngram"
-    if draft == "ngram":
+    if draft in ("ngram", "medusa+ngram"):
         return [make_proposer("ngram", config=config)]
     if draft in ("eagle", "eagle+ngram"):
         return [make_proposer(draft, config=config, artifact=artifact, target_model=target_model)]
     if draft in ("model", "auto"):
         return [make_proposer("model", draft_model, device, dtype, config)]
-    raise InvalidArgument(f"unknown --draft {draft!r}; choose auto, ngram, model, eagle, eagle+ngram, medusa or none")
+    raise InvalidArgument(f"unknown --draft {draft!r}; choose auto, ngram, model, eagle, eagle+ngram, medusa, "
+                          "medusa+ngram or none")
+
+
+def auto_draft(target: LoadedModel) -> str:
+    """--draft auto without a draft model: the shipped artifact (eagle or medusa) trained for this target
+    with the best measured tau in its manifest, merged with n-gram lookup (which keeps the long copied
+    spans of code edits); plain n-gram lookup when no artifact ships for the target."""
+    from specsplit.heads import read_manifest
+    from verifier_service.medusa import measured_tau
+
+    best, best_tau = "ngram", -1.0
+    for kind in ("eagle", "medusa"):
+        path = shipped_artifact(kind, target)
+        if path is not None and measured_tau(read_manifest(path).measured) > best_tau:
+            best, best_tau = f"{kind}+ngram", measured_tau(read_manifest(path).measured)
+    return best
 
 
 def shipped_artifact(kind: str, target: LoadedModel):

@@ -58,8 +58,9 @@ class MedusaProposer:
 
 
 def find_artifact(kind: str, target_identity: str, tokenizer_fingerprint: str,
-                  root: pathlib.Path = ARTIFACTS_DIR) -> pathlib.Path | None:
+                  root: pathlib.Path | None = None) -> pathlib.Path | None:
     """The shipped artifact of ``kind`` for this target with the best measured tau (None: none ships)."""
+    root = ARTIFACTS_DIR if root is None else root
     best, best_tau = None, -1.0
     for manifest_path in sorted(root.glob("*/manifest.json")) if root.is_dir() else []:
         try:

@@ -109,3 +109,31 @@ def test_shipped_artifact_is_found_by_target_and_refused_for_another(tmp_path, t
     assert load_medusa(tmp_path / "m1", target).name == "m1"
     with pytest.raises(FailedPrecondition, match="trained for target"):
         load_medusa(tmp_path / "other", target)
+
+
+def test_medusa_plus_ngram_is_lossless_and_merges_the_lookup(target):
+    from draft_service.proposers import NgramProposer
+    from specsplit.config import DraftConfig
+
+    with start_stack(target, [NgramProposer(DraftConfig())], medusa=tiny_medusa(target)) as stack:
+        for prompt in PROMPTS:
+            tokens, stats = run(stack, prompt, 40, draft="medusa+ngram")
+            assert tokens == hf_greedy(target.model, prompt, 40)
+            assert all(s.drafter in ("medusa+ngram", "none") for s in stats)
+
+
+def test_auto_picks_the_shipped_artifact_with_the_best_measured_tau(tmp_path, target, monkeypatch):
+    import verifier_service.medusa as medusa_module
+    from specsplit.heads import FeatureDrafter
+    from specsplit.launch import auto_draft
+
+    monkeypatch.setattr(medusa_module, "ARTIFACTS_DIR", tmp_path)
+    assert auto_draft(target) == "ngram"  # nothing ships for this target
+    identity = target_identity(target)
+    heads, drafter = MedusaHeads(64, 2), FeatureDrafter.init_from_target(target.model)
+    save_artifact(tmp_path / "m", heads, Manifest("medusa", "m", identity, target.fingerprint,
+                                                  heads.manifest_config(), measured={"tau": 2.0}))
+    assert auto_draft(target) == "medusa+ngram"
+    save_artifact(tmp_path / "e", drafter, Manifest("eagle", "e", identity, target.fingerprint,
+                                                    drafter.manifest_config(), measured={"tau": {"chat": 2.5, "code_edit": 2.1}}))
+    assert auto_draft(target) == "eagle+ngram"
