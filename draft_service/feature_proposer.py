@@ -58,6 +58,8 @@ class FeatureProposer:
 
     def __init__(self, drafter: FeatureDrafter, manifest: Manifest, config: DraftConfig | None = None):
         self.drafter = drafter.eval()
+        # [V', H] the head's rows, gathered once (drafter.logits would gather V' x H floats every call)
+        self.head = drafter.embed.weight[drafter.vocab_ids].detach().contiguous()
         self.manifest = manifest
         self.artifact = manifest.name
         self.config = config or DraftConfig()
@@ -113,7 +115,7 @@ class FeatureProposer:
         cum: list[float] = []  # [N] product of draft probs along each node's path
         predicted: dict[int, torch.Tensor] = {-1: session.last_out}  # node -> [H] feature its row predicted
         frontier = [-1]  # nodes whose children come from the rows of `logits`
-        logits = self.drafter.logits(session.last_out[None])  # [1, V']
+        logits = self._logits(session.last_out[None])  # [1, V']
         tree_kv: KV | None = None  # the tree rows' K/V, [1, H_kv, T, D]
         slot: dict[int, int] = {}  # node -> its row among the tree rows
         for depth in range(1, self.config.model_depth + 1):
@@ -140,8 +142,12 @@ class FeatureProposer:
             out, tree_kv = self._expand(session, committed, tree, frontier, predicted, slot, tree_kv)  # [F, H]
             for row, node in enumerate(frontier):
                 predicted[node] = out[row]
-            logits = self.drafter.logits(out)  # [F, V']
+            logits = self._logits(out)  # [F, V']
         return TokenTree(tuple(tokens), tuple(parents), tuple(draft_probs), tuple(node_q) if sampled else ())
+
+    def _logits(self, features: torch.Tensor) -> torch.Tensor:
+        """[F, H] -> [F, V'] what ``FeatureDrafter.logits`` computes, over the pre-gathered head."""
+        return features @ self.head.T
 
     def _catch_up(self, session: _FeatureSession, token_ids: list[int]) -> None:
         """Run the pending feature rows (t, x_{t+1}) on top of the cached ones."""
