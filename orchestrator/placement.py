@@ -107,7 +107,8 @@ class KvPlacement:
             kv = self.store.get_kv(session.id) if offloaded else None
             if kv is not None and kv[0] == len(tokens):
                 replica.client.import_session(session.id, tokens, kv[1], timeout=self.config.prefill_timeout_s,
-                                              sampling=session.sampling)
+                                              sampling=session.sampling, return_features=session.wants_features,
+                                              medusa=session.medusa)
                 session.proposal = None  # an import runs no forward: no features, no Medusa tree this time
                 kind = "import"
             else:

@@ -250,10 +250,12 @@ class RemoteVerifier:
         return b"".join(chunk.data for chunk in chunks)
 
     def import_session(self, session_id: str, token_ids: list[int], blob: bytes, timeout: float,
-                       sampling: SamplingParams | None = None) -> int:
+                       sampling: SamplingParams | None = None, return_features: bool = False,
+                       medusa: bool = False) -> int:
         def chunks():
             yield verifier_pb2.KvChunk(session_id=session_id, token_ids=token_ids,
-                                       sampling=sampling_to_pb(sampling or SamplingParams()), data=blob[:KV_CHUNK])
+                                       sampling=sampling_to_pb(sampling or SamplingParams()), data=blob[:KV_CHUNK],
+                                       return_features=return_features, medusa=medusa)
             for start in range(KV_CHUNK, len(blob), KV_CHUNK):
                 yield verifier_pb2.KvChunk(data=blob[start:start + KV_CHUNK])
 

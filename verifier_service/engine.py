@@ -307,9 +307,10 @@ class TargetEngine:
                 layers = self._scheduler.submit(_Export(session, 0, session=session, dtype=target)).result()
         return offload.layers_to_bytes(layers)
 
-    def import_session(self, session_id: str, token_ids: list[int], blob: bytes,
-                       sampling: SamplingParams | None = None) -> tuple[int, float]:
-        """A session from an exported cache: like Prefill of ``token_ids``, without the forward."""
+    def import_session(self, session_id: str, token_ids: list[int], blob: bytes, sampling: SamplingParams | None = None,
+                       return_features: bool = False, medusa: bool = False) -> tuple[int, float]:
+        """A session from an exported cache: like Prefill of ``token_ids``, without the forward (so its
+        answer carries no features and no Medusa tree; later Verify answers do, if asked here)."""
         start = time.perf_counter()
         sampling = sampling or SamplingParams()
         sampling.validate()
@@ -318,7 +319,10 @@ class TargetEngine:
             raise InvalidArgument(f"KV blob caches {offload.cached_length(blob)} positions; {len(token_ids)} committed "
                                   f"tokens need {len(token_ids) - 1} (all but the pending one)")
         layers = offload.layers_from_bytes(blob, self._num_layers)
+        if medusa and self.medusa is None:
+            raise FailedPrecondition("this verifier has no Medusa heads (start it with --medusa PATH)")
         session = self._admit(session_id, token_ids, sampling, 0)
+        session.return_features, session.medusa = return_features, medusa
         try:
             with session.lock, tracer.start_as_current_span("specsplit.verifier.import") as span:
                 span.set_attribute("specsplit.committed_length", len(token_ids))

@@ -73,7 +73,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             raise InvalidArgument("ImportSession: the first chunk must name the session and its committed tokens")
         blob = b"".join([first.data, *(chunk.data for chunk in request_iterator)])
         committed_length, import_ms = self.engine.import_session(first.session_id, list(first.token_ids), blob,
-                                                                 sampling_from_pb(first.sampling))
+                                                                 sampling_from_pb(first.sampling),
+                                                                 first.return_features, first.medusa)
         self.sweeper.touch(first.session_id)
         return verifier_pb2.ImportSessionResponse(committed_length=committed_length, import_ms=import_ms)
 

@@ -122,16 +122,20 @@ class ExportSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., expected_committed_length: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class KvChunk(_message.Message):
-    __slots__ = ("session_id", "token_ids", "sampling", "data")
+    __slots__ = ("session_id", "token_ids", "sampling", "data", "return_features", "medusa")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    MEDUSA_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     data: bytes
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    return_features: bool
+    medusa: bool
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., data: _Optional[bytes] = ..., return_features: _Optional[bool] = ..., medusa: _Optional[bool] = ...) -> None: ...
 
 class ImportSessionResponse(_message.Message):
     __slots__ = ("committed_length", "import_ms")

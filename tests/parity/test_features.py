@@ -74,3 +74,18 @@ def test_round_stats_count_every_cached_position_once(target):
     # every position cached by the end (prompt + generated, less the pending last token), 2 bytes per unit
     assert sum(s.feature_bytes for s in stats) == (len(PROMPT) + 20 - 1) * hidden * 2
     assert all(s.feature_bytes > 0 for s in stats)
+
+
+def test_an_imported_session_keeps_returning_features(target):
+    a, b = TargetEngine(target), TargetEngine(target)
+    try:
+        a.prefill("s", PROMPT, return_features=True)
+        blob = a.export_session("s", len(PROMPT))
+        b.import_session("s", PROMPT, blob, return_features=True)
+        tree = TokenTree.chain(hf_greedy(target.model, PROMPT, 2))
+        from_a, from_b = a.verify("s", tree, len(PROMPT)), b.verify("s", tree, len(PROMPT))
+        assert from_b.features is not None and from_b.features.first_position == len(PROMPT) - 1
+        torch.testing.assert_close(from_b.features.values.float(), from_a.features.values.float(), atol=2e-3, rtol=2e-3)
+    finally:
+        a.close()
+        b.close()
