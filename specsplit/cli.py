@@ -25,12 +25,12 @@ target model decoding alone.
   specsplit generate --orchestrator HOST:50051 "Hello"         # a client of that orchestrator
 """
 
-DRAFT_HELP = ("drafter: auto (a --draft-model if given; else the shipped eagle artifact for the target with the "
-              "best measured tau, combined with n-gram lookup; else n-gram prompt lookup), ngram, model (needs "
+DRAFT_HELP = ("drafter: auto (a --draft-model if given; else the shipped eagle or medusa artifact for the target "
+              "with the best tau measured in its manifest, combined with n-gram lookup; else n-gram prompt "
+              "lookup), ngram, model (needs "
               "--draft-model), eagle (EAGLE-style feature drafter; --draft-artifact or the shipped one), "
               "eagle+ngram (its tree merged with the n-gram lookup's), medusa (the verifier's own Medusa heads, "
-              "no draft service; --medusa or the shipped ones), medusa+ngram, none (target only). auto picks "
-              "between the shipped eagle and medusa artifacts by the tau measured in their manifests")
+              "no draft service; --medusa or the shipped ones), medusa+ngram, none (target only)")
 DRAFTS = ["auto", "ngram", "model", "eagle", "eagle+ngram", "medusa", "medusa+ngram", "none"]
 
 
