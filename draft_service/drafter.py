@@ -10,6 +10,7 @@ from opentelemetry import trace
 
 from draft_service.proposers import Proposer
 from specsplit.errors import FailedPrecondition, InvalidArgument, NotFound
+from specsplit.features import Features
 from specsplit.sampling import SamplingParams
 from specsplit.tree import TokenTree
 
@@ -29,7 +30,7 @@ class Drafter:
         self._sessions: dict[str, DraftSession] = {}
 
     def start(self, session_id: str, prompt_token_ids: list[int], tokenizer_fingerprint: str,
-              sampling: SamplingParams | None = None) -> None:
+              sampling: SamplingParams | None = None, target_identity: str = "") -> None:
         if not session_id:
             raise InvalidArgument("session_id is empty")
         if not prompt_token_ids:
@@ -40,10 +41,19 @@ class Drafter:
                 f"tokenizer mismatch: this draft's tokenizer has fingerprint {mine}, the verifier's is "
                 f"{tokenizer_fingerprint or '(none given)'}; a draft must share the target's tokenizer"
             )
+        trained_for = getattr(self.proposer, "target_identity", "")
+        if trained_for and target_identity != trained_for:
+            raise FailedPrecondition(
+                f"draft artifact {getattr(self.proposer, 'artifact', '')!r} was trained for target {trained_for}; "
+                f"the verifier serves {target_identity or '(an unnamed target)'}: it reads that model's features; "
+                "pair it with its own target or train one for this target"
+            )
         self._sessions[session_id] = DraftSession(list(prompt_token_ids), threading.Lock())
         self.proposer.start(session_id, list(prompt_token_ids), sampling or SamplingParams())
 
-    def propose(self, session_id: str, new_token_ids: list[int], committed_length: int, max_nodes: int) -> tuple[TokenTree, float]:
+    def propose(self, session_id: str, new_token_ids: list[int], committed_length: int, max_nodes: int,
+                features: list[Features] = ()) -> tuple[TokenTree, float]:
+        """features: the target's features the verifier returned since the previous call (feature drafters)."""
         session = self._sessions.get(session_id)
         if session is None:
             raise NotFound(f"unknown draft session {session_id!r}: call StartSession first")
@@ -57,6 +67,9 @@ class Drafter:
             session.token_ids.extend(new_token_ids)
             start = time.perf_counter()
             with tracer.start_as_current_span("specsplit.draft.propose") as span:
+                if features and getattr(self.proposer, "wants_features", False):
+                    self.proposer.add_features(session_id, features)
+                    span.set_attribute("specsplit.feature_bytes", sum(f.nbytes for f in features))
                 tree = self.proposer.propose(session_id, session.token_ids, min(max_nodes, self.max_nodes))
                 span.set_attribute("specsplit.num_draft_tokens", len(tree))
             return tree, (time.perf_counter() - start) * 1e3

@@ -17,7 +17,7 @@ from specsplit.config import DraftConfig
 from specsplit.models import LoadedModel
 from specsplit.runner import ModelRunner
 from specsplit.sampling import SamplingParams, distribution, round_seed
-from specsplit.tree import SparseDist, TokenTree
+from specsplit.tree import SparseDist, TokenTree, union_trees
 
 
 class Proposer(Protocol):
@@ -261,3 +261,43 @@ class ModelProposer:
         ids = torch.tensor([[tree.token_ids[n] for n in frontier]], dtype=torch.long, device=device)  # [1, F]
         positions = torch.tensor([[committed - 1 + tree.depths[n] for n in frontier]], device=device)  # [1, F]
         return self._forward(ids, positions, mask, cache)  # [F, V] logits
+
+
+class CombinedProposer:
+    """A model drafter's tree with the n-gram lookup's branches merged in: code edits keep their n-gram
+    gains (long copied spans) and everything else gets the model's tree.
+
+    The n-gram lookup gets up to half the node budget (rounded up), the model the rest. Greedy: a trie union (a
+    model node equal to an n-gram node under the same parent is the same node). Sampling: the model's
+    nodes were drawn i.i.d. from q and must be kept or cut by their position, never by their value, so
+    the two trees are joined side by side without merging (siblings may repeat a token).
+    """
+
+    def __init__(self, model, ngram: NgramProposer):
+        self.model, self.ngram = model, ngram
+        self.name = f"{model.name}+ngram"
+        self.tokenizer_fingerprint = model.tokenizer_fingerprint
+        self.target_identity = getattr(model, "target_identity", "")
+        self.wants_features = getattr(model, "wants_features", False)
+        self.artifact = getattr(model, "artifact", "")
+        self._sampled: dict[str, bool] = {}
+
+    def start(self, session_id: str, prompt_token_ids: list[int], sampling: SamplingParams | None = None) -> None:
+        sampling = sampling or SamplingParams()
+        self.model.start(session_id, prompt_token_ids, sampling)
+        self.ngram.start(session_id, prompt_token_ids, sampling)
+        self._sampled[session_id] = not sampling.greedy
+
+    def add_features(self, session_id: str, chunks) -> None:
+        self.model.add_features(session_id, chunks)
+
+    def propose(self, session_id: str, token_ids: list[int], max_nodes: int) -> TokenTree:
+        lookup = self.ngram.propose(session_id, token_ids, (max_nodes + 1) // 2)  # a 1-node budget goes to a match
+        drafted = self.model.propose(session_id, token_ids, max_nodes - len(lookup))
+        return union_trees(lookup, drafted, max_nodes, merge=not self._sampled[session_id])
+
+    def end(self, session_id: str) -> None:
+        self.model.end(session_id)
+        self.ngram.end(session_id)
+        self._sampled.pop(session_id, None)
+

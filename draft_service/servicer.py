@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from draft_service.drafter import Drafter
-from specsplit.rpc import sampling_from_pb, tree_to_pb
+from specsplit.rpc import features_from_pb, sampling_from_pb, tree_to_pb
 from specsplit.serving import grpc_errors
 from specsplit.sweep import IdleSweeper
 from specsplit.v1 import draft_pb2, draft_pb2_grpc
@@ -22,12 +22,14 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             model=self.model_name,
             tokenizer_fingerprint=self.drafter.proposer.tokenizer_fingerprint,
             max_nodes=self.drafter.max_nodes,
+            wants_features=getattr(self.drafter.proposer, "wants_features", False),
+            target_identity=getattr(self.drafter.proposer, "target_identity", ""),
         )
 
     @grpc_errors
     def StartSession(self, request, context):
         self.drafter.start(request.session_id, list(request.prompt_token_ids), request.tokenizer_fingerprint,
-                           sampling_from_pb(request.sampling))
+                           sampling_from_pb(request.sampling), request.target_identity)
         self.sweeper.touch(request.session_id)
         return draft_pb2.StartSessionResponse()
 
@@ -35,7 +37,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     def Propose(self, request, context):
         self.sweeper.touch(request.session_id)
         tree, draft_ms = self.drafter.propose(
-            request.session_id, list(request.new_token_ids), request.committed_length, request.max_nodes
+            request.session_id, list(request.new_token_ids), request.committed_length, request.max_nodes,
+            [features_from_pb(f) for f in request.features],
         )
         return draft_pb2.ProposeResponse(tree=tree_to_pb(tree), draft_ms=draft_ms)
 

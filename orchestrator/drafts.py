@@ -15,11 +15,12 @@ from opentelemetry import trace
 from orchestrator.session import LiveSession
 from specsplit.errors import FailedPrecondition, InvalidArgument
 from specsplit.rpc import DraftInfo, RpcError
-from specsplit.tree import TokenTree
+from specsplit.tree import TokenTree, union_trees
 
 log = logging.getLogger("orchestrator.generation")
 
-DRAFT_CHOICES = ("auto", "ngram", "model", "none")
+DRAFT_CHOICES = ("auto", "ngram", "model", "eagle", "eagle+ngram", "medusa", "medusa+ngram", "none")
+MEDUSA = ("medusa", "medusa+ngram")  # self-speculation in the verifier (+ngram: merged with a lookup draft's tree)
 
 
 class DraftMixin:
@@ -44,6 +45,12 @@ class DraftMixin:
         """The draft service for a request's --draft choice (None: target-only)."""
         if choice not in DRAFT_CHOICES:
             raise InvalidArgument(f"unknown draft {choice!r}; choose one of {', '.join(DRAFT_CHOICES)}")
+        if choice in MEDUSA:
+            if not self.verifier_info.medusa:
+                raise InvalidArgument(f"--draft {choice} needs a verifier started with Medusa heads (--medusa PATH)")
+            if choice == "medusa":
+                return None  # self-speculation: the verifier proposes, no draft service
+            choice = "ngram"
         if choice == "none" or not self.drafts:
             return None
         if choice == "auto":
@@ -56,20 +63,33 @@ class DraftMixin:
                               f"{', '.join(self.draft_names()) or 'none'} (use --draft none or auto)")
 
     # -- drafts --------------------------------------------------------------------------------------
-    def _max_nodes(self, draft) -> int:
+    def _max_nodes(self, draft, choice: str = "") -> int:
+        if choice == "medusa":
+            return min(self.verifier_info.max_tree_nodes, self.verifier_info.medusa_max_nodes or 64)
+        if choice == "medusa+ngram":
+            return self.verifier_info.max_tree_nodes
         info = self._draft_info_of(draft) if draft is not None else None
         draft_max = info.max_nodes if info is not None and info.max_nodes else 64
         return min(self.verifier_info.max_tree_nodes, draft_max)
 
+    def _set_draft_mode(self, session: LiveSession, choice: str) -> None:
+        """Medusa self-speculation, or whether the session's draft reads the target's features."""
+        session.medusa = choice in MEDUSA
+        info = self._draft_info_of(session.draft) if session.draft is not None else None
+        session.wants_features = bool(info and info.wants_features)
+
     def _drafter_name(self, session: LiveSession) -> str:
+        if session.medusa:
+            return "medusa+ngram" if session.draft is not None else "medusa"
         info = self._draft_info_of(session.draft) if session.draft is not None else None
         return info.drafter if info else "none"
 
     def _start_draft(self, session: LiveSession) -> None:
         try:
             session.draft.start(session.id, session.token_ids, self.verifier_info.tokenizer_fingerprint,
-                                timeout=self.config.draft_timeout_s, sampling=session.sampling)
-            session.unsent = []
+                                timeout=self.config.draft_timeout_s, sampling=session.sampling,
+                                target_identity=self.verifier_info.target_identity)
+            session.unsent = []  # (features held for the draft stay: a fresh draft session starts its cache at them)
             session.state.draft_down_until = 0
         except RpcError as err:
             if _is_refusal(err):
@@ -77,6 +97,19 @@ class DraftMixin:
             self._draft_failed(session, err)
 
     def _propose(self, session: LiveSession, budget: int) -> tuple[TokenTree, float | None]:
+        if session.medusa:
+            return self._propose_medusa(session, budget)
+        return self._propose_draft(session, budget)
+
+    def _propose_medusa(self, session: LiveSession, budget: int) -> tuple[TokenTree, float | None]:
+        """The verifier's own Medusa tree (its cost is in verify_ms), merged with the n-gram lookup's tree
+        (up to half the budget, rounded up) when the session has a lookup draft: both are deterministic, so a trie union."""
+        proposal, session.proposal = session.proposal or TokenTree.empty(), None
+        lookup, draft_ms = self._propose_draft(session, (budget + 1) // 2) if session.draft is not None else (TokenTree.empty(), None)
+        tree = union_trees(lookup, proposal, max(budget, 0))
+        return tree, (draft_ms or 0.0) if len(tree) else None
+
+    def _propose_draft(self, session: LiveSession, budget: int) -> tuple[TokenTree, float | None]:
         state = session.state
         if session.draft is None:
             return TokenTree.empty(), None
@@ -91,11 +124,12 @@ class DraftMixin:
             return TokenTree.empty(), None  # no call: committed tokens travel with the next Propose
         try:
             tree, draft_ms = session.draft.propose(session.id, session.unsent, len(session.token_ids), budget,
-                                                   timeout=self.config.draft_timeout_s)
+                                                   timeout=self.config.draft_timeout_s, features=session.features)
         except RpcError as err:
             self._draft_failed(session, err)
             return TokenTree.empty(), None
         session.unsent = []
+        session.features = []
         return tree, draft_ms
 
     def _draft_replica_after(self, draft):

@@ -134,8 +134,9 @@ class Orchestrator(DraftMixin):
             max_new_tokens=min(request.max_new_tokens, info.max_context - len(request.prompt_token_ids)),
             sampling=request.sampling, seed=seed, stop=list(request.stop), draft=request.draft, round=1,
             resumable=request.resumable, owner=self.instance)
-        session = LiveSession(state, draft, controller_from_state(state, self._max_nodes(draft)),
+        session = LiveSession(state, draft, controller_from_state(state, self._max_nodes(draft, request.draft)),
                               TextStream(self.tokenizer, list(request.stop)), owned=True)
+        self._set_draft_mode(session, request.draft)
         session.save_controller()
         self.store.create(state)  # a taken session id is refused here
         try:
@@ -156,8 +157,9 @@ class Orchestrator(DraftMixin):
                            "expired too long ago; start a new generation")
         owned = state.status not in TERMINAL
         draft = self.pick_draft(state.draft) if owned else None
-        session = LiveSession(state, draft, controller_from_state(state, self._max_nodes(draft)),
+        session = LiveSession(state, draft, controller_from_state(state, self._max_nodes(draft, state.draft)),
                               text_stream_at(self.tokenizer, state, min(client_has, state.generated)), owned=owned)
+        self._set_draft_mode(session, state.draft)
         if not owned:
             return session  # finished or cancelled: only what the client is missing is sent
         session.skip = max(0, client_has - state.generated)  # the store lost rounds the client had seen
@@ -290,7 +292,8 @@ class Orchestrator(DraftMixin):
                 span.set_attribute("specsplit.round", state.rounds)
                 budget = session.controller.choose(remaining - 1) if session.draft_usable() else 0
                 tree, draft_ms = self._propose(session, budget)
-                verdict, timing = self.placement.verify(session, tree, remaining)
+                reply = self.placement.verify(session, tree, remaining)
+                verdict, timing = reply.verdict, reply.timing
                 committed = list(verdict.committed_token_ids)
                 # The tree's real cost is its share of the verifier's batched forward: under load the fixed
                 # cost of a forward is shared by many sessions, drafted tokens are relatively dearer, and the
@@ -299,6 +302,8 @@ class Orchestrator(DraftMixin):
                                            timing.cost_ms or timing.verify_ms, draft_ms if tree else None)
                 span.set_attribute("specsplit.num_draft_tokens", len(tree))
                 span.set_attribute("specsplit.num_accepted", len(verdict.accepted_nodes))
+                span.set_attribute("specsplit.feature_bytes", session.feature_bytes)
+            feature_bytes, session.feature_bytes = session.feature_bytes, 0
             session.unsent.extend(committed)
             state.committed_token_ids.extend(committed)
             finish, visible = "", committed
@@ -322,7 +327,8 @@ class Orchestrator(DraftMixin):
                 yield Chunk("", [], finish_reason="cancelled")
                 return
             stats = RoundStats(state.rounds, len(tree), len(verdict.accepted_nodes), len(kept), draft_ms or 0.0,
-                               timing.verify_ms, self._drafter_name(session) if tree else "none", tree.depth)
+                               timing.verify_ms, self._drafter_name(session) if tree else "none", tree.depth,
+                               feature_bytes)
             if kept or text or finish:
                 yield Chunk(text, kept, stats=stats, finish_reason=finish)
             if finish:

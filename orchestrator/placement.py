@@ -107,11 +107,15 @@ class KvPlacement:
             kv = self.store.get_kv(session.id) if offloaded else None
             if kv is not None and kv[0] == len(tokens):
                 replica.client.import_session(session.id, tokens, kv[1], timeout=self.config.prefill_timeout_s,
-                                              sampling=session.sampling)
+                                              sampling=session.sampling, return_features=session.wants_features,
+                                              medusa=session.medusa)
+                session.proposal = None  # an import runs no forward: no features, no Medusa tree this time
                 kind = "import"
             else:
-                replica.client.prefill(session.id, tokens, timeout=self.config.prefill_timeout_s,
-                                       sampling=session.sampling)
+                reply = replica.client.prefill_reply(session.id, tokens, timeout=self.config.prefill_timeout_s,
+                                                     sampling=session.sampling, return_features=session.wants_features,
+                                                     medusa=session.medusa)
+                session.absorb(reply)
                 kind = "prefill"
             ms = (time.perf_counter() - start) * 1e3
             span.set_attribute("specsplit.restore", kind)
@@ -145,11 +149,12 @@ class KvPlacement:
                 self.restore(session)
                 replica = session.replica
             try:
-                result = replica.client.verify(session.id, tree, len(session.token_ids), max_commit,
-                                               timeout=self.config.verify_timeout_s)
+                reply = replica.client.verify_reply(session.id, tree, len(session.token_ids), max_commit,
+                                                    timeout=self.config.verify_timeout_s)
                 replica.healthy = True  # it answered: back in rotation before the next health check
-                session.state.verifier_length = len(session.token_ids) + len(result[0].committed_token_ids)
-                return result
+                session.state.verifier_length = len(session.token_ids) + len(reply.verdict.committed_token_ids)
+                session.absorb(reply)
+                return reply
             except RpcError as err:
                 code, last = err.code(), err
                 span = trace.get_current_span()

@@ -7,8 +7,10 @@ from dataclasses import asdict, dataclass, field, replace
 
 from orchestrator.controller import BudgetController
 from orchestrator.detok import TextStream
+from specsplit.features import Features
 from specsplit.sampling import SamplingParams
 from specsplit.store import SessionState
+from specsplit.tree import TokenTree
 
 
 @dataclass
@@ -26,6 +28,11 @@ class LiveSession:
     lost: bool = False  # another request claimed it since: touch nothing
     failed: bool = False  # a permanent error ended the stream: cancel rather than detach
     committed_final: bool = False  # the store already has its end state (finished, cancelled, detached)
+    wants_features: bool = False  # its draft reads the target's features: the verifier returns them
+    features: list[Features] = field(default_factory=list)  # features the draft has not been sent yet
+    feature_bytes: int = 0  # feature bytes received since the last round's stats
+    medusa: bool = False  # self-speculation: the verifier proposes the next tree (no draft service)
+    proposal: TokenTree | None = None  # the verifier's Medusa tree for the next round
 
     @property
     def id(self) -> str:
@@ -43,8 +50,18 @@ class LiveSession:
         return params if params.greedy else replace(params, seed=self.state.seed)
 
     def draft_usable(self) -> bool:
+        if self.medusa:
+            return True
         down = self.state.draft_down_until
         return self.draft is not None and (not down or self.state.round >= down)
+
+    def absorb(self, reply) -> None:
+        """Keep what a verifier reply (``specsplit.rpc.VerifierReply``) carries for the next round."""
+        if reply.features is not None:
+            self.features.append(reply.features)
+            self.feature_bytes += reply.features.nbytes
+        if self.medusa:
+            self.proposal = reply.proposal
 
     def save_controller(self) -> None:
         self.state.controller = asdict(self.controller)

@@ -25,8 +25,13 @@ target model decoding alone.
   specsplit generate --orchestrator HOST:50051 "Hello"         # a client of that orchestrator
 """
 
-DRAFT_HELP = ("drafter: auto (a --draft-model if given, else n-gram prompt lookup), ngram, model (needs "
-              "--draft-model), none (target only)")
+DRAFT_HELP = ("drafter: auto (a --draft-model if given; else the shipped eagle or medusa artifact for the target "
+              "with the best tau measured in its manifest, combined with n-gram lookup; else n-gram prompt "
+              "lookup), ngram, model (needs "
+              "--draft-model), eagle (EAGLE-style feature drafter; --draft-artifact or the shipped one), "
+              "eagle+ngram (its tree merged with the n-gram lookup's), medusa (the verifier's own Medusa heads, "
+              "no draft service; --medusa or the shipped ones), medusa+ngram, none (target only)")
+DRAFTS = ["auto", "ngram", "model", "eagle", "eagle+ngram", "medusa", "medusa+ngram", "none"]
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -44,7 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
                                      "in this process on loopback ports (real gRPC).")
     gen.add_argument("prompt", help="the prompt (goes through the chat template unless --no-chat-template)")
     gen.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate at most (default 256)")
-    gen.add_argument("--draft", choices=["auto", "ngram", "model", "none"], default="auto", help=DRAFT_HELP)
+    gen.add_argument("--draft", choices=DRAFTS, default="auto", help=DRAFT_HELP)
+    gen.add_argument("--draft-artifact", default=_env("SPECSPLIT_DRAFT_ARTIFACT"),
+                     help="eagle artifact directory (weights.safetensors + manifest.json) for --draft eagle; "
+                          "default: the shipped one trained for the target")
+    gen.add_argument("--medusa", default=_env("SPECSPLIT_MEDUSA"),
+                     help="Medusa artifact directory for --draft medusa (default: the shipped one for the target)")
     gen.add_argument("--draft-model", default=_env("SPECSPLIT_DRAFT_MODEL"),
                      help="local HF causal LM directory used as the draft (same tokenizer as the target)")
     gen.add_argument("--target-model", default=_env("SPECSPLIT_TARGET_MODEL"),
@@ -66,7 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="address to bind (env SPECSPLIT_LISTEN; default 127.0.0.1:50051)")
     serve.add_argument("--target-model", default=_env("SPECSPLIT_TARGET_MODEL"),
                        help="verifier: the target model; orchestrator: its tokenizer (default: SmolLM2-135M-Instruct)")
-    serve.add_argument("--draft", choices=["ngram", "model"], default="ngram", help="draft service: which drafter")
+    serve.add_argument("--draft", choices=["ngram", "model", "eagle", "eagle+ngram"], default="ngram",
+                       help="draft service: which drafter (eagle: needs the target's embedding, read from "
+                            "--target-model, and refuses an artifact trained for another target)")
+    serve.add_argument("--draft-artifact", default=_env("SPECSPLIT_DRAFT_ARTIFACT"),
+                       help="draft service: eagle artifact directory (default: the shipped one for --target-model)")
+    serve.add_argument("--medusa", default=_env("SPECSPLIT_MEDUSA"),
+                       help="verifier: Medusa heads artifact directory, for sessions asking --draft medusa "
+                            "('shipped': the shipped one for the target; default: none)")
     serve.add_argument("--draft-model", default=_env("SPECSPLIT_DRAFT_MODEL"), help="draft service: the draft model")
     serve.add_argument("--verifier", default=_env("SPECSPLIT_VERIFIER"),
                        help="orchestrator: HOST:PORT of the verifier (env SPECSPLIT_VERIFIER)")
@@ -146,13 +163,24 @@ def generate(args) -> int:
     else:
         from specsplit.launch import default_proposers, load_model, start_stack
 
+        from specsplit.launch import auto_draft
+
         target = load_model(args.target_model, args.device, args.dtype)
-        stack = start_stack(target, default_proposers(args.draft, args.draft_model, args.device, args.dtype))
+        if args.draft == "auto" and not args.draft_model:
+            args.draft = auto_draft(target)
+        medusa = None
+        if args.draft in ("medusa", "medusa+ngram"):
+            from verifier_service.medusa import load_medusa
+
+            medusa = load_medusa(args.medusa, target)
+        proposers = default_proposers(args.draft, args.draft_model, args.device, args.dtype,
+                                      artifact=args.draft_artifact, target=target, target_model=args.target_model)
+        stack = start_stack(target, proposers, medusa=medusa)
         address = stack.address
     token_ids: list[int] = []
     prompt_ids: list[int] = []
     text_parts: list[str] = []
-    rounds = accepted = drafted = 0
+    rounds = accepted = drafted = feature_bytes = 0
     finish = ""
     try:
         addresses = _addresses(address)
@@ -170,6 +198,7 @@ def generate(args) -> int:
                     rounds += 1
                     accepted += chunk.stats.num_accepted
                     drafted += chunk.stats.num_draft_tokens
+                    feature_bytes += chunk.stats.feature_bytes
                 finish = chunk.finish_reason or finish
                 if not args.json and chunk.text:
                     print(chunk.text, end="", flush=True)
@@ -191,6 +220,8 @@ def generate(args) -> int:
         "tau": len(token_ids) / rounds if rounds else 0.0,
         "num_draft_tokens": drafted,
         "finish_reason": finish,
+        "feature_bytes": feature_bytes,  # target features sent verifier -> orchestrator -> draft (eagle)
+        "feature_bytes_per_round": feature_bytes / rounds if rounds else 0.0,
     }
     if args.json:
         print(json.dumps(result))
@@ -213,12 +244,18 @@ def serve(args) -> int:
                                 max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
                                 max_batch_tokens=args.max_batch_tokens,
                                 idle_timeout_s=args.idle_timeout)
-        server = launch.start_verifier(target, args.listen, config)
+        medusa = None
+        if args.medusa:
+            from verifier_service.medusa import load_medusa
+
+            medusa = load_medusa(None if args.medusa == "shipped" else args.medusa, target)
+        server = launch.start_verifier(target, args.listen, config, medusa)
     elif args.service == "draft":
         proposer = launch.make_proposer(args.draft, args.draft_model, args.device, args.dtype,
-                                        DraftConfig(max_nodes=args.max_tree_nodes))
-        server = launch.start_draft(proposer, args.listen, args.max_tree_nodes, args.draft_model or "",
-                                    args.idle_timeout)
+                                        DraftConfig(max_nodes=args.max_tree_nodes), artifact=args.draft_artifact,
+                                        target_model=args.target_model)
+        server = launch.start_draft(proposer, args.listen, args.max_tree_nodes,
+                                    args.draft_model or getattr(proposer, "artifact", ""), args.idle_timeout)
     else:
         verifiers = _addresses(args.verifier or "") + _addresses(args.verifiers)
         if not verifiers:

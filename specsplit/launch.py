@@ -13,11 +13,13 @@ from specsplit.serving import Server
 log = logging.getLogger(__name__)
 
 
-def start_verifier(loaded: LoadedModel, address: str = "127.0.0.1:0", config: VerifierConfig | None = None) -> Server:
+def start_verifier(loaded: LoadedModel, address: str = "127.0.0.1:0", config: VerifierConfig | None = None,
+                   medusa=None) -> Server:
+    """medusa: a ``verifier_service.medusa.MedusaProposer`` for self-speculation (None: none)."""
     from verifier_service.engine import TargetEngine
     from verifier_service.servicer import VerifierServicer, registration
 
-    engine = TargetEngine(loaded, config)
+    engine = TargetEngine(loaded, config, medusa)
     # Every session may have a Prefill or Verify waiting on the batch: one server thread each, plus spares.
     server = Server(address, [registration(VerifierServicer(engine))], max_workers=engine.config.max_sessions + 16)
     server.core = engine
@@ -25,19 +27,26 @@ def start_verifier(loaded: LoadedModel, address: str = "127.0.0.1:0", config: Ve
 
 
 def make_proposer(kind: str, draft_model: str | None = None, device: str | None = "auto", dtype: str = "float32",
-                  config: DraftConfig | None = None, loaded: LoadedModel | None = None):
-    """kind: "ngram" or "model" (a draft model path, or an already loaded model)."""
-    from draft_service.proposers import ModelProposer, NgramProposer
+                  config: DraftConfig | None = None, loaded: LoadedModel | None = None, artifact: str | None = None,
+                  target_model: str | None = None):
+    """kind: "ngram", "model" (a draft model path, or an already loaded model), "eagle" or "eagle+ngram"
+    (an eagle artifact for ``target_model``; default: the shipped one for it)."""
+    from draft_service.feature_proposer import load_feature_proposer
+    from draft_service.proposers import CombinedProposer, ModelProposer, NgramProposer
 
     if kind == "ngram":
         return NgramProposer(config)
+    if kind == "eagle":
+        return load_feature_proposer(artifact, target_model, config)
+    if kind == "eagle+ngram":
+        return CombinedProposer(load_feature_proposer(artifact, target_model, config), NgramProposer(config))
     if kind == "model":
         if loaded is None:
             if not draft_model:
                 raise InvalidArgument("--draft model needs --draft-model PATH (a local Hugging Face causal LM)")
             loaded = load_model(draft_model, device, dtype)
         return ModelProposer(loaded, config)
-    raise InvalidArgument(f"unknown drafter {kind!r}; choose ngram or model")
+    raise InvalidArgument(f"unknown drafter {kind!r}; choose ngram, model, eagle or eagle+ngram")
 
 
 def start_draft(proposer, address: str = "127.0.0.1:0", max_nodes: int = 64, model_name: str = "",
@@ -113,29 +122,58 @@ class Stack:
 
 def start_stack(target: LoadedModel, proposers: list, verifier_config: VerifierConfig | None = None,
                 orchestrator_config: OrchestratorConfig | None = None, tokenizer=None, replicas: int = 1,
-                store=None) -> Stack:
+                store=None, medusa=None) -> Stack:
     """proposers: in "auto" preference order (may be empty: target-only); replicas: verifier replicas
-    (sharing the model's weights); store: a SessionStore (default: in this process)."""
-    verifiers = [start_verifier(target, config=verifier_config) for _ in range(replicas)]
-    drafts = [start_draft(p, model_name=getattr(getattr(p, "loaded", None), "name", "")) for p in proposers]
+    (sharing the model's weights); store: a SessionStore (default: in this process); medusa: the
+    verifiers' Medusa heads (a MedusaProposer), for --draft medusa."""
+    verifiers = [start_verifier(target, config=verifier_config, medusa=medusa) for _ in range(replicas)]
+    drafts = [start_draft(p, model_name=getattr(getattr(p, "loaded", None), "name", "") or getattr(p, "artifact", ""))
+              for p in proposers]
     orchestrator = start_orchestrator([v.address for v in verifiers], [d.address for d in drafts],
                                       tokenizer or target.tokenizer, config=orchestrator_config, store=store)
     return Stack(verifiers, drafts, orchestrator, target)
 
 
 def default_proposers(draft: str, draft_model: str | None, device: str | None, dtype: str,
-                      config: DraftConfig | None = None) -> list:
-    """The drafters behind --draft: auto = a draft model if one was given, else n-gram prompt lookup.
-
-    (No trained draft model ships for the default target yet, so auto means n-gram there.)
-    """
-    if draft == "none":
+                      config: DraftConfig | None = None, artifact: str | None = None, target: LoadedModel | None = None,
+                      target_model: str | None = None) -> list:
+    """The drafters behind --draft (auto: a draft model if one was given, else see ``auto_draft``).
+    medusa runs in the verifier (no draft service); medusa+ngram adds an n-gram lookup draft."""
+    if draft == "auto" and not draft_model:
+        draft = auto_draft(target) if target is not None else "ngram"
+    if draft in ("none", "medusa"):
         return []
-    if draft == "ngram" or (draft == "auto" and not draft_model):
+    if draft in ("ngram", "medusa+ngram"):
         return [make_proposer("ngram", config=config)]
+    if draft in ("eagle", "eagle+ngram"):
+        return [make_proposer(draft, config=config, artifact=artifact, target_model=target_model)]
     if draft in ("model", "auto"):
         return [make_proposer("model", draft_model, device, dtype, config)]
-    raise InvalidArgument(f"unknown --draft {draft!r}; choose auto, ngram, model or none")
+    raise InvalidArgument(f"unknown --draft {draft!r}; choose auto, ngram, model, eagle, eagle+ngram, medusa, "
+                          "medusa+ngram or none")
+
+
+def auto_draft(target: LoadedModel) -> str:
+    """--draft auto without a draft model: the shipped artifact (eagle or medusa) trained for this target
+    with the best measured tau in its manifest, merged with n-gram lookup (which keeps the long copied
+    spans of code edits); plain n-gram lookup when no artifact ships for the target."""
+    from specsplit.heads import read_manifest
+    from verifier_service.medusa import measured_tau
+
+    best, best_tau = "ngram", -1.0
+    for kind in ("eagle", "medusa"):
+        path = shipped_artifact(kind, target)
+        if path is not None and measured_tau(read_manifest(path).measured) > best_tau:
+            best, best_tau = f"{kind}+ngram", measured_tau(read_manifest(path).measured)
+    return best
+
+
+def shipped_artifact(kind: str, target: LoadedModel):
+    """The shipped artifact of ``kind`` trained for ``target`` with the best measured tau (None: none ships)."""
+    from specsplit.models import target_identity
+    from verifier_service.medusa import find_artifact
+
+    return find_artifact(kind, target_identity(target), target.fingerprint)
 
 
 __all__ = ["Stack", "start_stack", "start_verifier", "start_draft", "start_orchestrator", "make_proposer",

@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specsplit.accept import Verdict
 from specsplit.serving import open_channel
 from specsplit.errors import InvalidArgument
+from specsplit.features import Features
 from specsplit.sampling import SamplingParams
 from specsplit.stream import Chunk, RoundStats
 from specsplit.tree import SparseDist, TokenTree
@@ -49,6 +50,15 @@ def tree_from_pb(msg: common_pb2.TokenTree) -> TokenTree:
     return TokenTree(tuple(msg.token_ids), tuple(msg.parents), tuple(msg.draft_probs), node_q)
 
 
+def features_to_pb(features: Features) -> common_pb2.Features:
+    return common_pb2.Features(data=features.to_bytes(), num_positions=features.num_positions,
+                               hidden_size=features.hidden_size, first_position=features.first_position)
+
+
+def features_from_pb(msg: common_pb2.Features) -> Features:
+    return Features.from_bytes(msg.data, msg.num_positions, msg.hidden_size, msg.first_position)
+
+
 def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
     if params.seed is not None:
@@ -67,8 +77,9 @@ class VerifyTiming:
     cost_ms: float = 0.0  # its share of the batched forward (0: the verifier did not say)
 
 
-def verdict_to_pb(verdict: Verdict, committed_length: int, timing: VerifyTiming) -> verifier_pb2.VerifyResponse:
-    return verifier_pb2.VerifyResponse(
+def verdict_to_pb(verdict: Verdict, committed_length: int, timing: VerifyTiming, features: Features | None = None,
+                  proposal: TokenTree | None = None) -> verifier_pb2.VerifyResponse:
+    msg = verifier_pb2.VerifyResponse(
         accepted_token_ids=verdict.accepted_token_ids,
         accepted_node_indices=verdict.accepted_nodes,
         next_token_id=verdict.next_token_id,
@@ -77,6 +88,38 @@ def verdict_to_pb(verdict: Verdict, committed_length: int, timing: VerifyTiming)
         queue_ms=timing.queue_ms,
         cost_ms=timing.cost_ms,
     )
+    if features is not None:
+        msg.features.CopyFrom(features_to_pb(features))
+    if proposal is not None:
+        msg.proposal.CopyFrom(tree_to_pb(proposal))
+    return msg
+
+
+def prefill_to_pb(committed_length: int, prefill_ms: float, features: Features | None = None,
+                  proposal: TokenTree | None = None) -> verifier_pb2.PrefillResponse:
+    msg = verifier_pb2.PrefillResponse(committed_length=committed_length, prefill_ms=prefill_ms)
+    if features is not None:
+        msg.features.CopyFrom(features_to_pb(features))
+    if proposal is not None:
+        msg.proposal.CopyFrom(tree_to_pb(proposal))
+    return msg
+
+
+@dataclass(frozen=True)
+class VerifierReply:
+    """What a Prefill or Verify answered besides the verdict: features and a Medusa proposal, if asked."""
+
+    committed_length: int
+    features: Features | None = None
+    proposal: TokenTree | None = None
+    verdict: Verdict | None = None  # Verify only
+    timing: VerifyTiming | None = None  # Verify only
+
+
+def _extras_from_pb(msg) -> tuple[Features | None, TokenTree | None]:
+    features = features_from_pb(msg.features) if msg.HasField("features") else None
+    proposal = tree_from_pb(msg.proposal) if msg.HasField("proposal") else None
+    return features, proposal
 
 
 def verdict_from_pb(msg: verifier_pb2.VerifyResponse) -> Verdict:
@@ -92,7 +135,7 @@ def chunk_to_pb(chunk: Chunk) -> orchestrator_pb2.GenerateChunk:
         msg.stats.CopyFrom(common_pb2.RoundStats(
             round=st.round, num_draft_tokens=st.num_draft_tokens, num_accepted=st.num_accepted,
             num_committed=st.num_committed, draft_ms=st.draft_ms, verify_ms=st.verify_ms, drafter=st.drafter,
-            tree_depth=st.tree_depth))
+            tree_depth=st.tree_depth, feature_bytes=st.feature_bytes))
     return msg
 
 
@@ -120,7 +163,7 @@ def chunk_from_pb(msg: orchestrator_pb2.GenerateChunk) -> Chunk:
     if msg.HasField("stats"):
         st = msg.stats
         stats = RoundStats(st.round, st.num_draft_tokens, st.num_accepted, st.num_committed, st.draft_ms,
-                           st.verify_ms, st.drafter, st.tree_depth)
+                           st.verify_ms, st.drafter, st.tree_depth, st.feature_bytes)
     return Chunk(msg.text, list(msg.token_ids), stats, msg.session_id, list(msg.prompt_token_ids) or None,
                  msg.finish_reason)
 
@@ -134,6 +177,9 @@ class VerifierInfo:
     max_tree_nodes: int
     eos_token_ids: tuple[int, ...]
     num_sessions: int = 0  # sessions holding a KV cache there when asked
+    target_identity: str = ""  # the exact target weights (a trained draft's manifest must name them)
+    medusa: str = ""  # the Medusa heads' artifact name ("": no self-speculation there)
+    medusa_max_nodes: int = 0
 
 
 @dataclass(frozen=True)
@@ -142,6 +188,8 @@ class DraftInfo:
     model: str
     tokenizer_fingerprint: str
     max_nodes: int
+    wants_features: bool = False  # forward the verifier's features with each Propose
+    target_identity: str = ""  # the target it was trained for ("": any)
 
 
 class RemoteVerifier:
@@ -154,7 +202,7 @@ class RemoteVerifier:
     def info(self, timeout: float) -> VerifierInfo:
         r = self.stub.GetInfo(verifier_pb2.VerifierInfoRequest(), timeout=timeout)
         return VerifierInfo(r.model, r.tokenizer_fingerprint, r.vocab_size, r.max_context, r.max_tree_nodes,
-                            tuple(r.eos_token_ids), r.num_sessions)
+                            tuple(r.eos_token_ids), r.num_sessions, r.target_identity, r.medusa, r.medusa_max_nodes)
 
     def healthy(self, timeout: float) -> bool:
         """grpc.health.v1 says the verifier service is SERVING."""
@@ -166,19 +214,31 @@ class RemoteVerifier:
 
     def prefill(self, session_id: str, prompt_token_ids: list[int], timeout: float,
                 sampling: SamplingParams | None = None) -> int:
+        return self.prefill_reply(session_id, prompt_token_ids, timeout, sampling).committed_length
+
+    def prefill_reply(self, session_id: str, prompt_token_ids: list[int], timeout: float,
+                      sampling: SamplingParams | None = None, return_features: bool = False,
+                      medusa: bool = False) -> VerifierReply:
         r = self.stub.Prefill(verifier_pb2.PrefillRequest(session_id=session_id, prompt_token_ids=prompt_token_ids,
-                                                          sampling=sampling_to_pb(sampling or SamplingParams())),
+                                                          sampling=sampling_to_pb(sampling or SamplingParams()),
+                                                          return_features=return_features, medusa=medusa),
                               timeout=timeout)
-        return r.committed_length
+        return VerifierReply(r.committed_length, *_extras_from_pb(r))
 
     def verify(self, session_id: str, tree: TokenTree, expected_committed_length: int, max_commit: int,
                timeout: float) -> tuple[Verdict, VerifyTiming]:
+        reply = self.verify_reply(session_id, tree, expected_committed_length, max_commit, timeout)
+        return reply.verdict, reply.timing
+
+    def verify_reply(self, session_id: str, tree: TokenTree, expected_committed_length: int, max_commit: int,
+                     timeout: float) -> VerifierReply:
         r = self.stub.Verify(
             verifier_pb2.VerifyRequest(session_id=session_id, tree=tree_to_pb(tree),
                                        expected_committed_length=expected_committed_length, max_commit=max_commit),
             timeout=timeout,
         )
-        return verdict_from_pb(r), VerifyTiming(r.verify_ms, r.queue_ms, r.cost_ms)
+        return VerifierReply(r.committed_length, *_extras_from_pb(r), verdict_from_pb(r),
+                             VerifyTiming(r.verify_ms, r.queue_ms, r.cost_ms))
 
     def release(self, session_id: str, timeout: float) -> bool:
         return self.stub.Release(verifier_pb2.ReleaseRequest(session_id=session_id), timeout=timeout).released
@@ -190,10 +250,12 @@ class RemoteVerifier:
         return b"".join(chunk.data for chunk in chunks)
 
     def import_session(self, session_id: str, token_ids: list[int], blob: bytes, timeout: float,
-                       sampling: SamplingParams | None = None) -> int:
+                       sampling: SamplingParams | None = None, return_features: bool = False,
+                       medusa: bool = False) -> int:
         def chunks():
             yield verifier_pb2.KvChunk(session_id=session_id, token_ids=token_ids,
-                                       sampling=sampling_to_pb(sampling or SamplingParams()), data=blob[:KV_CHUNK])
+                                       sampling=sampling_to_pb(sampling or SamplingParams()), data=blob[:KV_CHUNK],
+                                       return_features=return_features, medusa=medusa)
             for start in range(KV_CHUNK, len(blob), KV_CHUNK):
                 yield verifier_pb2.KvChunk(data=blob[start:start + KV_CHUNK])
 
@@ -211,22 +273,25 @@ class RemoteDraft:
 
     def info(self, timeout: float) -> DraftInfo:
         r = self.stub.GetInfo(draft_pb2.DraftInfoRequest(), timeout=timeout)
-        return DraftInfo(r.drafter, r.model, r.tokenizer_fingerprint, r.max_nodes)
+        return DraftInfo(r.drafter, r.model, r.tokenizer_fingerprint, r.max_nodes, r.wants_features,
+                         r.target_identity)
 
     def start(self, session_id: str, prompt_token_ids: list[int], tokenizer_fingerprint: str, timeout: float,
-              sampling: SamplingParams | None = None) -> None:
+              sampling: SamplingParams | None = None, target_identity: str = "") -> None:
         self.stub.StartSession(
             draft_pb2.StartSessionRequest(session_id=session_id, prompt_token_ids=prompt_token_ids,
                                           tokenizer_fingerprint=tokenizer_fingerprint,
-                                          sampling=sampling_to_pb(sampling or SamplingParams())),
+                                          sampling=sampling_to_pb(sampling or SamplingParams()),
+                                          target_identity=target_identity),
             timeout=timeout,
         )
 
     def propose(self, session_id: str, new_token_ids: list[int], committed_length: int, max_nodes: int,
-                timeout: float) -> tuple[TokenTree, float]:
+                timeout: float, features: list[Features] = ()) -> tuple[TokenTree, float]:
         r = self.stub.Propose(
             draft_pb2.ProposeRequest(session_id=session_id, new_token_ids=new_token_ids,
-                                     committed_length=committed_length, max_nodes=max_nodes),
+                                     committed_length=committed_length, max_nodes=max_nodes,
+                                     features=[features_to_pb(f) for f in features]),
             timeout=timeout,
         )
         return tree_from_pb(r.tree), r.draft_ms

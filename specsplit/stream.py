@@ -13,8 +13,9 @@ class RoundStats:
     num_committed: int  # tokens this round added to the output (accepted + recovered/bonus, cut at a stop)
     draft_ms: float
     verify_ms: float
-    drafter: str  # "ngram", "model" or "none" (target-only round)
+    drafter: str  # "ngram", "model", "eagle", "eagle+ngram", "medusa" or "none" (target-only round)
     tree_depth: int = 0  # depth of the verified tree
+    feature_bytes: int = 0  # target features (float16) the verifier sent this round for the draft
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,13 @@ class TokenTree:
                 parent = index[key]
         return cls(tuple(token_ids), tuple(parents), (1.0,) * len(token_ids))
 
+    def truncated(self, max_nodes: int) -> "TokenTree":
+        """The first ``max_nodes`` nodes: still a tree, since parents come before their children."""
+        if len(self) <= max_nodes:
+            return self
+        return TokenTree(self.token_ids[:max_nodes], self.parents[:max_nodes], self.draft_probs[:max_nodes],
+                         self.node_q[:max_nodes])
+
     def __len__(self) -> int:
         return len(self.token_ids)
 
@@ -159,6 +166,37 @@ class TokenTree:
 
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))
+
+
+def union_trees(first: TokenTree, second: TokenTree, max_nodes: int, merge: bool = True) -> TokenTree:
+    """``first`` then ``second``'s nodes (parents before children) under one root, at most ``max_nodes``.
+
+    merge: a node of ``second`` equal to an existing node (same parent, same token) is that node. A node
+    that does not fit, or whose parent did not, is dropped.
+    """
+    tokens, parents = list(first.token_ids), list(first.parents)
+    probs = list(first.draft_probs) or [1.0] * len(tokens)
+    node_q = list(first.node_q) or [None] * len(tokens)
+    index = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))} if merge else {}
+    placed: dict[int, int] = {-1: -1}  # second's node -> its node in the union
+    for node, (parent, token) in enumerate(zip(second.parents, second.token_ids)):
+        if parent not in placed:
+            continue
+        key = (placed[parent], token)
+        if key in index:
+            placed[node] = index[key]
+            continue
+        if len(tokens) >= max_nodes:
+            continue
+        placed[node] = len(tokens)
+        if merge:
+            index[key] = len(tokens)
+        tokens.append(token)
+        parents.append(key[0])
+        probs.append(second.draft_probs[node] if second.draft_probs else 1.0)
+        node_q.append(second.node_q[node] if second.node_q else None)
+    sampled = any(q is not None for q in node_q)
+    return TokenTree(tuple(tokens), tuple(parents), tuple(probs), tuple(node_q) if sampled else ())
 
 
 @dataclass(frozen=True)

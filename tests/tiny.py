@@ -59,3 +59,33 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens,
                              attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
     return out[0, len(prompt_ids):].tolist()
+
+
+def tiny_eagle(target: LoadedModel, seed: int = 1, noise: float = 0.05, head_ids=None, config=None):
+    """A FeatureProposer around a randomly perturbed drafter built from ``target`` (manifest names it)."""
+    from draft_service.feature_proposer import FeatureProposer
+    from specsplit.heads import FeatureDrafter, Manifest
+    from specsplit.models import target_identity
+
+    torch.manual_seed(seed)
+    drafter = FeatureDrafter.init_from_target(target.model, head_ids)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.requires_grad:
+                p.add_(noise * torch.randn_like(p))
+    manifest = Manifest("eagle", f"tiny-eagle-{seed}", target_identity(target), target.fingerprint,
+                        drafter.manifest_config())
+    return FeatureProposer(drafter.eval(), manifest, config)
+
+
+def tiny_medusa(target: LoadedModel, num_heads: int = 3, seed: int = 1, top_k: int = 3, max_nodes: int = 16):
+    """A MedusaProposer with random heads over ``target``."""
+    from specsplit.heads import MedusaHeads
+    from verifier_service.medusa import MedusaProposer
+
+    torch.manual_seed(seed)
+    heads = MedusaHeads(target.model.config.hidden_size, num_heads)
+    with torch.no_grad():
+        for block in heads.blocks:
+            block.weight.normal_(0, 0.05)
+    return MedusaProposer(heads.eval(), target.model.get_output_embeddings(), top_k, max_nodes, "tiny-medusa")

@@ -15,6 +15,12 @@ A session's cache can also leave and arrive as bytes (``verifier_service.offload
 copies its slot's cached positions, ImportSession writes them into a fresh slot (no forward). Both
 touch the slot store on the model thread only, as a tick's bookkeeping work, like Release.
 
+A session may ask at Prefill for the target's *features* (final hidden states after the final norm,
+``specsplit.features``) of every position it newly caches -- taken from the same forward, no extra
+one -- for a feature drafter, and for *Medusa proposals*: the verifier's own heads
+(``verifier_service.medusa``) turn the feature of the last cached position into the tree the next
+Verify checks (self-speculation, no draft service).
+
 A sampled session with a seed reseeds its generator every round from (seed, committed length), so
 another replica (after failover, an import or a re-prefill) continues with exactly the same draws.
 """
@@ -25,12 +31,14 @@ import inspect
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from opentelemetry import trace
 
 from specsplit.accept import Verdict, accept_greedy
 from specsplit.config import VerifierConfig
+from specsplit.features import Features
 from specsplit.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from specsplit.models import LoadedModel
 from specsplit.sampling import SamplingParams, accept_sampled, distribution, round_seed
@@ -54,6 +62,12 @@ class TargetSession:
     slot: int = -1  # its KV slot, taken on the model thread by the first Prefill tick
     released: bool = False
     answered_at: float = 0.0  # perf_counter when its last request was answered
+    return_features: bool = False  # answer each Prefill/Verify with the features of the newly cached positions
+    medusa: bool = False  # answer each Prefill/Verify with a Medusa proposal tree
+
+    @property
+    def needs_hidden(self) -> bool:
+        return self.return_features or self.medusa
 
     @property
     def committed_length(self) -> int:
@@ -71,6 +85,15 @@ class VerifyResult:
     verify_ms: float  # arrival to answer: queueing + forward + acceptance
     queue_ms: float = 0.0  # waiting for the tick this request rode in
     cost_ms: float = 0.0  # this request's share of its forward (fixed cost split by rows, the rest by tokens)
+    features: Features | None = None  # the newly cached positions' features (root + accepted rows), if asked
+    proposal: TokenTree | None = None  # Medusa's tree for the next Verify, if asked
+
+
+class PrefillResult(NamedTuple):
+    committed_length: int
+    prefill_ms: float
+    features: Features | None = None  # the cached prompt positions' features, if asked
+    proposal: TokenTree | None = None  # Medusa's tree for the first Verify, if asked
 
 
 @dataclass
@@ -94,6 +117,7 @@ class _Prefill(Work):
     session: TargetSession | None = None
     token_ids: list[int] = field(default_factory=list)  # [P-1] what to cache: the prompt less its last token
     done: int = 0
+    hidden: list = field(default_factory=list)  # per chunk [C, H] final hidden states (features/Medusa only)
 
 
 @dataclass(eq=False)
@@ -121,8 +145,10 @@ class _Import(Work):
 
 
 class TargetEngine:
-    def __init__(self, loaded: LoadedModel, config: VerifierConfig | None = None):
+    def __init__(self, loaded: LoadedModel, config: VerifierConfig | None = None, medusa=None):
+        """medusa: a ``verifier_service.medusa.MedusaProposer`` (None: no self-speculation)."""
         self.loaded = loaded
+        self.medusa = medusa
         self.model = loaded.model
         self.config = config or VerifierConfig()
         self.config.validate()
@@ -160,19 +186,28 @@ class TargetEngine:
         return sum(s.answered_at > recent for s in list(self._sessions.values()))
 
     # -- the API (any thread) ------------------------------------------------------------------------
-    def prefill(self, session_id: str, prompt_token_ids: list[int],
-                sampling: SamplingParams | None = None) -> tuple[int, float]:
-        """Cache the prompt (all but its last token, which becomes the pending token)."""
+    def prefill(self, session_id: str, prompt_token_ids: list[int], sampling: SamplingParams | None = None,
+                return_features: bool = False, medusa: bool = False) -> PrefillResult:
+        """Cache the prompt (all but its last token, which becomes the pending token).
+
+        return_features / medusa: this and every later answer of the session carries the features of the
+        newly cached positions / a Medusa proposal tree."""
         sampling = sampling or SamplingParams()
         sampling.validate()
         self._check_new(session_id, prompt_token_ids)
+        if medusa and self.medusa is None:
+            raise FailedPrecondition("this verifier has no Medusa heads (start it with --medusa PATH)")
         to_cache = list(prompt_token_ids[:-1])
         session = self._admit(session_id, prompt_token_ids, sampling, len(to_cache))
+        session.return_features, session.medusa = return_features, medusa
         work = _Prefill(session, min(len(to_cache), self.config.prefill_chunk), session=session, token_ids=to_cache)
         try:
             with session.lock, tracer.start_as_current_span("specsplit.verifier.prefill") as span:
                 span.set_attribute("gen_ai.usage.input_tokens", len(prompt_token_ids))
-                return self._scheduler.submit(work).result()
+                result: PrefillResult = self._scheduler.submit(work).result()
+                if result.features is not None:
+                    span.set_attribute("specsplit.feature_bytes", result.features.nbytes)
+                return result
         except BaseException:
             self.release(session_id)
             raise
@@ -241,6 +276,8 @@ class TargetEngine:
                 result: VerifyResult = self._scheduler.submit(work).result()
                 span.set_attribute("specsplit.num_accepted", len(result.verdict.accepted_nodes))
                 span.set_attribute("specsplit.queue_ms", result.queue_ms)
+                if result.features is not None:
+                    span.set_attribute("specsplit.feature_bytes", result.features.nbytes)
             return result
 
     def release(self, session_id: str) -> bool:
@@ -270,9 +307,10 @@ class TargetEngine:
                 layers = self._scheduler.submit(_Export(session, 0, session=session, dtype=target)).result()
         return offload.layers_to_bytes(layers)
 
-    def import_session(self, session_id: str, token_ids: list[int], blob: bytes,
-                       sampling: SamplingParams | None = None) -> tuple[int, float]:
-        """A session from an exported cache: like Prefill of ``token_ids``, without the forward."""
+    def import_session(self, session_id: str, token_ids: list[int], blob: bytes, sampling: SamplingParams | None = None,
+                       return_features: bool = False, medusa: bool = False) -> tuple[int, float]:
+        """A session from an exported cache: like Prefill of ``token_ids``, without the forward (so its
+        answer carries no features and no Medusa tree; later Verify answers do, if asked here)."""
         start = time.perf_counter()
         sampling = sampling or SamplingParams()
         sampling.validate()
@@ -281,7 +319,10 @@ class TargetEngine:
             raise InvalidArgument(f"KV blob caches {offload.cached_length(blob)} positions; {len(token_ids)} committed "
                                   f"tokens need {len(token_ids) - 1} (all but the pending one)")
         layers = offload.layers_from_bytes(blob, self._num_layers)
+        if medusa and self.medusa is None:
+            raise FailedPrecondition("this verifier has no Medusa heads (start it with --medusa PATH)")
         session = self._admit(session_id, token_ids, sampling, 0)
+        session.return_features, session.medusa = return_features, medusa
         try:
             with session.lock, tracer.start_as_current_span("specsplit.verifier.import") as span:
                 span.set_attribute("specsplit.committed_length", len(token_ids))
@@ -317,7 +358,7 @@ class TargetEngine:
                         continue
                 if work.done == len(work.token_ids):  # a one-token prompt: nothing to cache
                     session.answered_at = time.perf_counter()
-                    work.future.set_result((session.committed_length, _ms_since(work.enqueued)))
+                    work.future.set_result(PrefillResult(session.committed_length, _ms_since(work.enqueued)))
                     continue
                 rows.append(prefill_row(session.slot, work.done, work.token_ids[work.done:work.done + work.tokens]))
                 owners.append(work)
@@ -331,7 +372,8 @@ class TargetEngine:
         for group in plan_forwards([len(r) for r in rows], self.config.forward_overhead_tokens):
             start = time.perf_counter()
             try:
-                logits = self._forward([rows[i] for i in group], [isinstance(owners[i], _Verify) for i in group])
+                logits, hidden = self._forward([rows[i] for i in group], [isinstance(owners[i], _Verify) for i in group],
+                                               any(owners[i].session.needs_hidden for i in group))
             except BaseException as err:  # nothing was committed: every session stays as it was
                 for i in group:
                     self._fail(owners[i], err)
@@ -341,17 +383,23 @@ class TargetEngine:
             shares = cost_shares([len(rows[i]) for i in group], self.config.forward_overhead_tokens, forward_ms)
             for b, i in enumerate(group):
                 work = owners[i]
+                row_hidden = hidden[b, :len(rows[i])] if hidden is not None and work.session.needs_hidden else None
                 if isinstance(work, _Prefill):
+                    if row_hidden is not None:
+                        work.hidden.append(row_hidden)  # [C, H]
                     self._advance_prefill(work, len(rows[i]), continuing)
                     continue
                 try:
+                    start_position = work.session.cached_length
                     verdict = self._accept(work, logits[b, :len(rows[i])])  # [Q_b, V]
+                    features, proposal = self._extras(work.session, start_position, row_hidden,
+                                                      verdict.rows_to_keep)
                 except BaseException as err:
                     self._fail(work, err)
                     continue
                 work.session.answered_at = time.perf_counter()
                 work.future.set_result(VerifyResult(verdict, work.session.committed_length, _ms_since(work.enqueued),
-                                                    (tick_start - work.enqueued) * 1e3, shares[b]))
+                                                    (tick_start - work.enqueued) * 1e3, shares[b], features, proposal))
         return continuing
 
     def _move_kv(self, work: _Export | _Import) -> None:
@@ -374,8 +422,21 @@ class TargetEngine:
             return
         work.future.set_result(result)
 
-    def _forward(self, rows: list[Row], needs_logits: list[bool]) -> torch.Tensor:
-        """[B, Q', V] logits for rows right-padded to Q tokens (Q' = the longest verify row: prefill needs none)."""
+    def _extras(self, session: TargetSession, start_position: int, hidden: torch.Tensor | None,
+                rows: tuple[int, ...]) -> tuple[Features | None, TokenTree | None]:
+        """The features of the newly cached rows (hidden: [Q_b, H], rows: which of them were kept) and
+        Medusa's proposal from the last of them."""
+        if hidden is None or not rows:
+            return None, (TokenTree.empty() if session.medusa else None)
+        kept = hidden[list(rows)]  # [K, H] positions start_position .. start_position + K - 1
+        features = Features.of(start_position, kept) if session.return_features else None
+        proposal = self.medusa.propose(kept[-1]) if session.medusa else None
+        return features, proposal
+
+    def _forward(self, rows: list[Row], needs_logits: list[bool],
+                 needs_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, Q', V] logits for rows right-padded to Q tokens (Q' = the longest verify row: prefill needs none),
+        and (needs_hidden) the final hidden states after the final norm [B, Q, H] from the same forward."""
         inputs = batch_inputs(rows, self.dtype, self.device)
         q_len = inputs.input_ids.shape[1]
         cache = SlotBatch(self._store, inputs.slots, inputs.starts, q_len, self._num_layers)
@@ -393,9 +454,10 @@ class TargetEngine:
             attention_mask=inputs.attention_mask,  # [B, 1, Q, S]
             cache=cache,
             use_cache=True,
+            output_hidden_states=needs_hidden,
             **kwargs,
         )
-        return out.logits  # [B, Q', V]
+        return out.logits, (out.hidden_states[-1] if needs_hidden else None)  # [B, Q', V], [B, Q, H]
 
     def _accept(self, work: _Verify, logits: torch.Tensor) -> Verdict:
         """logits: [N+1, V] for root + nodes. Accept, compact the slot, commit."""
@@ -420,8 +482,15 @@ class TargetEngine:
         if work.tokens:
             continuing.append(work)
         else:
-            work.session.answered_at = time.perf_counter()
-            work.future.set_result((work.session.committed_length, _ms_since(work.enqueued)))
+            session = work.session
+            features = proposal = None
+            if work.hidden:
+                hidden = torch.cat(work.hidden)  # [P-1, H] every cached prompt position
+                features, proposal = self._extras(session, 0, hidden, tuple(range(len(hidden))))
+            elif session.medusa:
+                proposal = TokenTree.empty()
+            session.answered_at = time.perf_counter()
+            work.future.set_result(PrefillResult(session.committed_length, _ms_since(work.enqueued), features, proposal))
 
     def _fail(self, work: Work, err: BaseException) -> None:
         if isinstance(work, _Prefill):

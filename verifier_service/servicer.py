@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from specsplit.errors import InvalidArgument
-from specsplit.rpc import VerifyTiming, sampling_from_pb, tree_from_pb, verdict_to_pb
+from specsplit.models import target_identity
+from specsplit.rpc import VerifyTiming, prefill_to_pb, sampling_from_pb, tree_from_pb, verdict_to_pb
 from specsplit.serving import grpc_errors
 from specsplit.sweep import IdleSweeper
 from specsplit.v1 import verifier_pb2, verifier_pb2_grpc
@@ -31,14 +32,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             device=str(e.device),
             dtype=str(e.dtype).removeprefix("torch."),
             num_sessions=e.num_sessions(),
+            target_identity=target_identity(e.loaded),
+            medusa=(e.medusa.name or "medusa") if e.medusa is not None else "",
+            medusa_max_nodes=e.medusa.max_nodes if e.medusa is not None else 0,
         )
 
     @grpc_errors
     def Prefill(self, request, context):
-        committed_length, prefill_ms = self.engine.prefill(request.session_id, list(request.prompt_token_ids),
-                                                           sampling_from_pb(request.sampling))
+        result = self.engine.prefill(request.session_id, list(request.prompt_token_ids),
+                                     sampling_from_pb(request.sampling), request.return_features, request.medusa)
         self.sweeper.touch(request.session_id)
-        return verifier_pb2.PrefillResponse(committed_length=committed_length, prefill_ms=prefill_ms)
+        return prefill_to_pb(*result)
 
     @grpc_errors
     def Verify(self, request, context):
@@ -48,7 +52,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         )
         self.sweeper.touch(request.session_id)
         timing = VerifyTiming(result.verify_ms, result.queue_ms, result.cost_ms)
-        return verdict_to_pb(result.verdict, result.committed_length, timing)
+        return verdict_to_pb(result.verdict, result.committed_length, timing, result.features, result.proposal)
 
     @grpc_errors
     def Release(self, request, context):
@@ -69,7 +73,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             raise InvalidArgument("ImportSession: the first chunk must name the session and its committed tokens")
         blob = b"".join([first.data, *(chunk.data for chunk in request_iterator)])
         committed_length, import_ms = self.engine.import_session(first.session_id, list(first.token_ids), blob,
-                                                                 sampling_from_pb(first.sampling))
+                                                                 sampling_from_pb(first.sampling),
+                                                                 first.return_features, first.medusa)
         self.sweeper.touch(first.session_id)
         return verifier_pb2.ImportSessionResponse(committed_length=committed_length, import_ms=import_ms)
 

@@ -35,7 +35,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class RoundStats(_message.Message):
-    __slots__ = ("round", "num_draft_tokens", "num_accepted", "num_committed", "draft_ms", "verify_ms", "drafter", "tree_depth")
+    __slots__ = ("round", "num_draft_tokens", "num_accepted", "num_committed", "draft_ms", "verify_ms", "drafter", "tree_depth", "feature_bytes")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class RoundStats(_message.Message):
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_BYTES_FIELD_NUMBER: _ClassVar[int]
     round: int
     num_draft_tokens: int
     num_accepted: int
@@ -52,4 +53,17 @@ class RoundStats(_message.Message):
     verify_ms: float
     drafter: str
     tree_depth: int
-    def __init__(self, round: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted: _Optional[int] = ..., num_committed: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., drafter: _Optional[str] = ..., tree_depth: _Optional[int] = ...) -> None: ...
+    feature_bytes: int
+    def __init__(self, round: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted: _Optional[int] = ..., num_committed: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., drafter: _Optional[str] = ..., tree_depth: _Optional[int] = ..., feature_bytes: _Optional[int] = ...) -> None: ...
+
+class Features(_message.Message):
+    __slots__ = ("data", "num_positions", "hidden_size", "first_position")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    NUM_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    num_positions: int
+    hidden_size: int
+    first_position: int
+    def __init__(self, data: _Optional[bytes] = ..., num_positions: _Optional[int] = ..., hidden_size: _Optional[int] = ..., first_position: _Optional[int] = ...) -> None: ...

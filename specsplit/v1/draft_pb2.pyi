@@ -12,44 +12,52 @@ class DraftInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftInfoResponse(_message.Message):
-    __slots__ = ("drafter", "model", "tokenizer_fingerprint", "max_nodes")
+    __slots__ = ("drafter", "model", "tokenizer_fingerprint", "max_nodes", "wants_features", "target_identity")
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    WANTS_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    TARGET_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     drafter: str
     model: str
     tokenizer_fingerprint: str
     max_nodes: int
-    def __init__(self, drafter: _Optional[str] = ..., model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_nodes: _Optional[int] = ...) -> None: ...
+    wants_features: bool
+    target_identity: str
+    def __init__(self, drafter: _Optional[str] = ..., model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_nodes: _Optional[int] = ..., wants_features: _Optional[bool] = ..., target_identity: _Optional[str] = ...) -> None: ...
 
 class StartSessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "tokenizer_fingerprint", "sampling")
+    __slots__ = ("session_id", "prompt_token_ids", "tokenizer_fingerprint", "sampling", "target_identity")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TARGET_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     tokenizer_fingerprint: str
     sampling: _common_pb2.SamplingParams
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    target_identity: str
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target_identity: _Optional[str] = ...) -> None: ...
 
 class StartSessionResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "new_token_ids", "committed_length", "max_nodes")
+    __slots__ = ("session_id", "new_token_ids", "committed_length", "max_nodes", "features")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     committed_length: int
     max_nodes: int
-    def __init__(self, session_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., max_nodes: _Optional[int] = ...) -> None: ...
+    features: _containers.RepeatedCompositeFieldContainer[_common_pb2.Features]
+    def __init__(self, session_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., max_nodes: _Optional[int] = ..., features: _Optional[_Iterable[_Union[_common_pb2.Features, _Mapping]]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("tree", "draft_ms")

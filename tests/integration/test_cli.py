@@ -85,3 +85,56 @@ def test_services_as_separate_processes(model_dir):
             proc.terminate()
         for proc in procs:
             assert proc.wait(timeout=20) == 0  # SIGTERM drains and exits cleanly
+
+
+def _random_artifacts(tmp_path, loaded, identity):
+    import torch
+
+    from specsplit.heads import FeatureDrafter, Manifest, MedusaHeads, save_artifact
+
+    torch.manual_seed(0)
+    drafter = FeatureDrafter.init_from_target(loaded.model)
+    heads = MedusaHeads(loaded.model.config.hidden_size, 2)
+    eagle = save_artifact(tmp_path / "eagle", drafter, Manifest("eagle", "e", identity, loaded.fingerprint,
+                                                                 drafter.manifest_config()))
+    medusa = save_artifact(tmp_path / "medusa", heads, Manifest("medusa", "m", identity, loaded.fingerprint,
+                                                                 heads.manifest_config()))
+    return eagle, medusa
+
+
+def test_eagle_and_medusa_services_as_separate_processes(model_dir, tmp_path):
+    from specsplit.models import target_identity
+
+    path, loaded = model_dir
+    eagle, medusa = _random_artifacts(tmp_path, loaded, target_identity(loaded))
+    bad, _ = _random_artifacts(tmp_path / "bad", loaded, "params-sha256:another")
+    refused = subprocess.run([sys.executable, "-m", "specsplit.cli", "serve", "draft", "--draft", "eagle",
+                              "--draft-artifact", str(bad), "--target-model", str(path), "--listen", "127.0.0.1:0"],
+                             capture_output=True, text=True, timeout=120,
+                             env=dict(os.environ, HF_HUB_OFFLINE="1", SPECSPLIT_THREADS="1"))
+    assert refused.returncode == 2 and "trained for target params-sha256:another" in refused.stderr
+    procs = []
+    try:
+        verifier, verifier_addr = _serve("verifier", "--target-model", str(path), "--medusa", str(medusa))
+        procs.append(verifier)
+        draft, draft_addr = _serve("draft", "--draft", "eagle", "--draft-artifact", str(eagle),
+                                   "--target-model", str(path))
+        procs.append(draft)
+        orch, orch_addr = _serve("orchestrator", "--verifier", verifier_addr, "--drafts", draft_addr,
+                                 "--target-model", str(path))
+        procs.append(orch)
+        for draft_choice in ("eagle", "medusa"):
+            out = cli("generate", "abcabcabcabc", "--orchestrator", orch_addr, "--max-new-tokens", "16", "--json",
+                      "--no-chat-template", "--draft", draft_choice)
+            assert out.returncode == 0, out.stderr
+            result = json.loads(out.stdout)
+            assert result["token_ids"] == hf_greedy(loaded.model, result["prompt_token_ids"], 16)
+            hidden = loaded.model.config.hidden_size
+            cached = len(result["prompt_token_ids"]) + len(result["token_ids"]) - 1  # every position cached at the end
+            expected_bytes = cached * hidden * 2 if draft_choice == "eagle" else 0
+            assert result["feature_bytes"] == expected_bytes
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            assert proc.wait(timeout=20) == 0

@@ -32,7 +32,7 @@ def generate(stack, **kwargs):
     (dict(prompt="hi", temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "temperature must be >= 0"),
     (dict(prompt="hi", top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p must be in [0, 1]"),
     (dict(prompt="hi", top_k=-1), grpc.StatusCode.INVALID_ARGUMENT, "top_k must be >= 0"),
-    (dict(prompt="hi", draft="medusa"), grpc.StatusCode.INVALID_ARGUMENT, "unknown draft"),
+    (dict(prompt="hi", draft="lookahead"), grpc.StatusCode.INVALID_ARGUMENT, "unknown draft"),
     (dict(prompt="hi", draft="model"), grpc.StatusCode.INVALID_ARGUMENT, "no 'model' draft service"),
     (dict(prompt="hi", prompt_token_ids=[1, 2]), grpc.StatusCode.INVALID_ARGUMENT, "exactly one of"),
 ])

@@ -48,3 +48,26 @@ def test_one_trace_across_services(target):
     assert {s.context.trace_id for s in by_name["specsplit.draft.propose"]} == {trace_id}
     sdk_call = [s for s in by_name["specsplit.v1.OrchestratorService/Generate"] if s.kind == trace.SpanKind.CLIENT]
     assert sdk_call and sdk_call[0].context.trace_id == trace_id
+
+
+def test_feature_bytes_are_span_attributes(target):
+    from tiny import tiny_eagle
+
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):  # run alone: nobody set the SDK provider yet
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with start_stack(target, [tiny_eagle(target)]) as stack:
+        chunks = list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=8))
+    total = sum(c.stats.feature_bytes for c in chunks if c.stats)
+    spans = exporter.get_finished_spans()
+    rounds = [s for s in spans if s.name == "specsplit.orchestrator.round"]
+    assert total > 0 and sum(s.attributes["specsplit.feature_bytes"] for s in rounds) == total
+    sent = [s.attributes.get("specsplit.feature_bytes", 0) for s in spans
+            if s.name in ("specsplit.verifier.verify", "specsplit.verifier.prefill")]
+    assert sum(sent) == total  # what the verifier sent is what the rounds report
+    received = [s.attributes["specsplit.feature_bytes"] for s in spans
+                if s.name == "specsplit.draft.propose" and "specsplit.feature_bytes" in s.attributes]
+    assert received and sum(received) <= total  # the draft got them (the last round's are never forwarded)

@@ -1,0 +1,133 @@
+"""The EAGLE-style feature drafter through the real gRPC services: greedy output equals HF greedy of the
+target alone, whatever the drafter's weights; an artifact trained for another target is refused."""
+
+import grpc
+import pytest
+import torch
+
+from draft_service.feature_proposer import FeatureProposer, load_feature_proposer
+from draft_service.proposers import CombinedProposer, NgramProposer
+from specsplit.client import Client
+from specsplit.config import DraftConfig
+from specsplit.errors import FailedPrecondition
+from specsplit.features import Features
+from specsplit.heads import FeatureDrafter, Manifest, save_artifact
+from specsplit.launch import start_stack
+from specsplit.models import target_identity
+from tiny import hf_greedy, tiny_eagle, tiny_loaded
+
+PROMPTS = [
+    [258, 72, 101, 108, 108, 111],
+    [258, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4],
+    list(range(30, 90)),
+    [42],
+]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_loaded(seed=0, layers=2)
+
+
+def run(stack, prompt_ids, max_new_tokens, draft="auto"):
+    chunks = list(Client(stack.address).generate(prompt_token_ids=prompt_ids, max_new_tokens=max_new_tokens,
+                                                 draft=draft, seed=0))
+    return [t for c in chunks for t in c.token_ids], [c.stats for c in chunks if c.stats is not None]
+
+
+def test_random_feature_drafter_is_lossless(target):
+    proposer = tiny_eagle(target, config=DraftConfig(model_top_k=2, model_depth=4))
+    with start_stack(target, [proposer]) as stack:
+        drafted = 0
+        for prompt in PROMPTS:
+            tokens, stats = run(stack, prompt, 40)
+            assert tokens == hf_greedy(target.model, prompt, 40)
+            drafted += sum(s.num_draft_tokens for s in stats)
+            assert all(s.drafter in ("eagle", "none") for s in stats)
+        assert drafted > 0  # the drafter really drafted
+
+
+def test_pruned_vocabulary_drafter_is_lossless(target):
+    head_ids = torch.arange(0, 320, 2)  # half the vocabulary
+    proposer = tiny_eagle(target, seed=3, head_ids=head_ids)
+    with start_stack(target, [proposer]) as stack:
+        for prompt in PROMPTS[:2]:
+            tokens, stats = run(stack, prompt, 30)
+            assert tokens == hf_greedy(target.model, prompt, 30)
+    proposer.start("u", PROMPTS[1])
+    proposer.add_features("u", [Features(0, torch.randn(len(PROMPTS[1]) - 1, 64).half())])
+    tree = proposer.propose("u", PROMPTS[1], 12)
+    assert len(tree) > 0 and all(t % 2 == 0 for t in tree.token_ids)  # only ids the pruned head scores
+
+
+def test_greedy_chain_equals_drafting_from_scratch(target):
+    """The cached, tree-masked drafting equals plain causal passes of the drafter over the whole history."""
+    proposer = tiny_eagle(target, config=DraftConfig(model_top_k=1, model_depth=4))
+    drafter = proposer.drafter
+    prompt = PROMPTS[1]
+    features = torch.randn(len(prompt) - 1, 64).half()  # [P-1, H]
+    proposer.start("s", prompt)
+    proposer.add_features("s", [Features(0, features[:5]), Features(5, features[5:])])
+    chain = proposer.propose("s", prompt, 4)
+    assert chain.is_chain() and len(chain) == 4
+    feats, toks = features.float(), list(prompt[1:])  # row t reads (f_t, x_{t+1})
+    expected = []
+    with torch.no_grad():
+        for _ in range(4):
+            n = len(toks)
+            out, _ = drafter(feats[None], torch.tensor([toks]), torch.arange(1, n + 1)[None])  # [1, n, H]
+            token = int(drafter.vocab_ids[drafter.logits(out[0, -1]).argmax()])
+            expected.append(token)
+            feats, toks = torch.cat([feats, out[0, -1:]]), toks + [token]
+    assert list(chain.token_ids) == expected
+
+
+def test_eagle_plus_ngram_is_lossless(target):
+    proposer = CombinedProposer(tiny_eagle(target), NgramProposer(DraftConfig()))
+    with start_stack(target, [proposer]) as stack:
+        for prompt in PROMPTS:
+            tokens, stats = run(stack, prompt, 40)
+            assert tokens == hf_greedy(target.model, prompt, 40)
+            assert all(s.drafter in ("eagle+ngram", "none") for s in stats)
+
+
+def test_artifact_of_another_target_is_refused_per_session(target):
+    other = tiny_loaded(seed=5)
+    proposer = tiny_eagle(other)  # trained (so its manifest says) for another target, same tokenizer
+    with start_stack(target, [proposer]) as stack:
+        with pytest.raises(grpc.RpcError) as err:
+            run(stack, PROMPTS[0], 5, draft="eagle")
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "trained for target" in err.value.details()
+
+
+def test_artifact_of_another_target_is_refused_at_startup(tmp_path, target):
+    target_dir = tmp_path / "target"
+    target.model.save_pretrained(target_dir)
+    target.tokenizer.save_pretrained(target_dir)
+    drafter = FeatureDrafter.init_from_target(target.model)
+    good = Manifest("eagle", "good", target_identity(tiny_loaded(seed=0)), target.fingerprint, drafter.manifest_config())
+    save_artifact(tmp_path / "good", drafter, good)
+    proposer = load_feature_proposer(tmp_path / "good", str(target_dir))
+    assert proposer.target_identity == good.target_identity
+    torch.testing.assert_close(proposer.drafter.embed.weight, target.model.get_input_embeddings().weight)
+    bad = Manifest("eagle", "bad", "params-sha256:0000", target.fingerprint, drafter.manifest_config())
+    save_artifact(tmp_path / "bad", drafter, bad)
+    with pytest.raises(FailedPrecondition, match="trained for target"):
+        load_feature_proposer(tmp_path / "bad", str(target_dir))
+
+
+def test_features_gap_restarts_the_cache_and_overlap_is_skipped(target):
+    proposer = tiny_eagle(target)
+    hidden = target.model.config.hidden_size
+    proposer.start("s", [1, 2, 3, 4, 5, 6, 7, 8])
+    proposer.add_features("s", [Features(0, torch.zeros(4, hidden).half())])
+    proposer.add_features("s", [Features(2, torch.zeros(4, hidden).half())])  # overlaps 2..3: keeps 4..5
+    assert proposer._sessions["s"].received_end == 6
+    proposer.add_features("s", [Features(9, torch.zeros(2, hidden).half())])  # a gap: start again at 9
+    session = proposer._sessions["s"]
+    assert (session.start, session.received_end) == (9, 11)
+    tokens = list(range(1, 14))  # 13 committed: positions 0..11 cached on the verifier; we have 9..10
+    assert len(proposer.propose("s", tokens, 8)) == 0  # features lag the tokens: no tree
+    proposer.add_features("s", [Features(11, torch.zeros(1, hidden).half())])
+    assert 0 < len(proposer.propose("s", tokens, 8)) <= 8
