@@ -298,8 +298,8 @@ def main(argv=None) -> None:
     manifest = Manifest(
         kind=args.kind, name=args.name or args.out.name, target_identity=target_identity(loaded),
         tokenizer_fingerprint=loaded.fingerprint, config=task.manifest_config(),
-        data=(f"{len(seqs)} synthetic chat prompts (draft_service.training.prompts, "
-              f"seed {description.get('seed')}) with the target's greedy responses, generated here by "
+        data=(f"{len(train_seqs) + len(val_seqs)} synthetic chat prompts (draft_service.training.prompts, "
+              f"seed {description.get('prompts', {}).get('seed')}; {len(val_seqs)} held out) with the target's greedy responses, generated here by "
               f"draft_service.training.generate_data: {train_tokens} training tokens"),
         training={"seed": args.seed, "steps": step, "sequences": len(train_seqs),
                   "lr": args.lr, "batch_tokens": args.batch_tokens, "elapsed_s": round(elapsed, 1),
