@@ -288,15 +288,23 @@ class Orchestrator(DraftMixin):
             with tracer.start_as_current_span("specsplit.orchestrator.round") as span:
                 state.rounds += 1
                 span.set_attribute("specsplit.round", state.rounds)
-                budget = session.controller.choose(remaining - 1) if session.draft_usable() else 0
-                tree, draft_ms = self._propose(session, budget)
-                verdict, timing = self.placement.verify(session, tree, remaining)
+                wasted = kept_provisional = 0
+                if self._streams_trees(session):
+                    done = self._tree_round(session, remaining,
+                                            lambda t: self.placement.verify(session, t, remaining))
+                    tree, draft_ms, verdict, timing = done.tree, done.draft_ms, done.verdict, done.timing
+                    wasted, kept_provisional = done.wasted, done.provisional_kept
+                else:
+                    budget = session.controller.choose(remaining - 1) if session.draft_usable() else 0
+                    tree, draft_ms = self._propose(session, budget)
+                    verdict, timing = self.placement.verify(session, tree, remaining)
+                    wasted = len(tree) - len(verdict.accepted_nodes)
+                    # The tree's real cost is its share of the verifier's batched forward: under load the fixed
+                    # cost of a forward is shared by many sessions, drafted tokens are relatively dearer, and the
+                    # controller drafts less (an older verifier reports no share: use its time).
+                    session.controller.observe(len(tree), len(verdict.accepted_nodes), _branch_depth(tree, verdict),
+                                               timing.cost_ms or timing.verify_ms, draft_ms if tree else None)
                 committed = list(verdict.committed_token_ids)
-                # The tree's real cost is its share of the verifier's batched forward: under load the fixed
-                # cost of a forward is shared by many sessions, drafted tokens are relatively dearer, and the
-                # controller drafts less (an older verifier reports no share: use its time).
-                session.controller.observe(len(tree), len(verdict.accepted_nodes), _branch_depth(tree, verdict),
-                                           timing.cost_ms or timing.verify_ms, draft_ms if tree else None)
                 span.set_attribute("specsplit.num_draft_tokens", len(tree))
                 span.set_attribute("specsplit.num_accepted", len(verdict.accepted_nodes))
             session.unsent.extend(committed)
@@ -322,7 +330,8 @@ class Orchestrator(DraftMixin):
                 yield Chunk("", [], finish_reason="cancelled")
                 return
             stats = RoundStats(state.rounds, len(tree), len(verdict.accepted_nodes), len(kept), draft_ms or 0.0,
-                               timing.verify_ms, self._drafter_name(session) if tree else "none", tree.depth)
+                               timing.verify_ms, self._drafter_name(session) if tree else "none", tree.depth,
+                               wasted, kept_provisional)
             if kept or text or finish:
                 yield Chunk(text, kept, stats=stats, finish_reason=finish)
             if finish:

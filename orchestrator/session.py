@@ -26,6 +26,7 @@ class LiveSession:
     lost: bool = False  # another request claimed it since: touch nothing
     failed: bool = False  # a permanent error ended the stream: cancel rather than detach
     committed_final: bool = False  # the store already has its end state (finished, cancelled, detached)
+    trigger: object | None = None  # the verification trigger of streamed trees (orchestrator.trigger), per session
 
     @property
     def id(self) -> str:

@@ -8,11 +8,13 @@ How α moves is the policy:
 - ``EdgeLLMThreshold`` (LLMCad/EdgeLLM): α starts at 0.01; after a verification with N_all drafted
   tokens on the best-matching branch, N_correct of them accepted: all correct → α ← α/2, else
   α ← (N_all − N_correct) / N_all.
-- ``GoodputThreshold``: one more draft forward on the best branch gains about ``calib · T`` expected
-  tokens (calib: measured accepted / predicted-by-confidence) for ``step_ms``; it pays while that beats
-  the committed tokens per ms the session achieves (round time measured end to end, so network round
-  trips and verify forwards are in it). So α = rate · step_ms / calib: a slow network or verifier
-  lowers the rate, and trees grow deeper.
+- ``GoodputThreshold``: the chance that a branch of confidence T is accepted whole is modelled as
+  T^γ, with γ fitted to outcomes (Σ c_i^γ over the followed branch's node confidences = tokens
+  accepted; γ < 1: the draft is better than its probabilities say, γ > 1: worse). One more draft forward
+  on the best branch gains about T^γ expected tokens for ``step_ms``; it pays while that beats the
+  committed tokens per ms the session achieves (round time measured end to end, so network round trips
+  and verify forwards are in it). So α = (rate · step_ms)^(1/γ): a slow network or verifier lowers the
+  rate, and trees grow deeper.
 - ``FixedSize``: verify once the tree has ``size`` nodes (the comparison baseline).
 
 All three are pure and driven by ``observe(RoundOutcome)``.
@@ -34,7 +36,7 @@ def tree_confidence(confidence: list[float], live: list[int]) -> float:
 class RoundOutcome:
     num_drafted: int  # N_all: drafted tokens on the branch acceptance followed (the deepest when none accepted)
     num_accepted: int  # N_correct: of those, accepted
-    predicted: float  # sum of draft confidences along that branch: the draft's own E[accepted]
+    confidences: tuple[float, ...]  # [N_all] branch confidence at each node of that branch, root down
     committed: int  # tokens committed this round (accepted + recovered/bonus)
     round_ms: float  # wall time of the round at the orchestrator: drafting until the trigger + verify incl. network
     draft_steps: int  # draft forwards until the trigger
@@ -76,8 +78,8 @@ class GoodputThreshold:
     ema: float = 0.3  # weight of a new measurement
     rate: float = 0.0  # committed tokens per ms, decayed (0: not measured yet)
     step_ms: float = 0.0  # one draft forward, ms, decayed
-    calib: float = 1.0  # accepted / predicted, decayed: how much to trust the draft's confidences
-    calib_range: tuple[float, float] = (0.05, 50.0)
+    gamma: float = 1.0  # P(branch accepted) = confidence^gamma, decayed fit
+    gamma_range: tuple[float, float] = (0.02, 8.0)
 
     def should_verify(self, confidence: float, num_nodes: int) -> bool:
         return confidence < self.alpha
@@ -87,15 +89,31 @@ class GoodputThreshold:
             self.rate = self._mix(self.rate, outcome.committed / outcome.round_ms)
         if outcome.draft_steps > 0 and outcome.draft_ms > 0:
             self.step_ms = self._mix(self.step_ms, outcome.draft_ms / outcome.draft_steps)
-        if outcome.num_drafted > 0:
-            lo, hi = self.calib_range
-            ratio = min(max((outcome.num_accepted + 0.1) / (outcome.predicted + 0.1), lo), hi)
-            self.calib = (1 - self.ema) * self.calib + self.ema * ratio
+        if outcome.confidences:
+            fit = fit_gamma(outcome.confidences, outcome.num_accepted, self.gamma_range)
+            self.gamma = (1 - self.ema) * self.gamma + self.ema * fit
         if self.rate > 0 and self.step_ms > 0:
-            self.alpha = min(max(self.rate * self.step_ms / self.calib, ALPHA_MIN), 1.0)
+            self.alpha = min(max((self.rate * self.step_ms) ** (1.0 / self.gamma), ALPHA_MIN), 1.0)
 
     def _mix(self, old: float, new: float) -> float:
         return new if old <= 0 else (1 - self.ema) * old + self.ema * new
+
+
+def fit_gamma(confidences: list[float], accepted: int, bounds: tuple[float, float]) -> float:
+    """γ with Σ_i confidences[i]^γ = accepted (the sum falls as γ grows), by bisection within ``bounds``."""
+    lo, hi = bounds
+
+    def expected(g: float) -> float:
+        return sum(max(c, 1e-12) ** g for c in confidences)
+
+    if expected(lo) <= accepted:
+        return lo  # even at the smallest γ the draft did better than predicted
+    if expected(hi) >= accepted:
+        return hi
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected(mid) > accepted else (lo, mid)
+    return (lo + hi) / 2
 
 
 TRIGGERS = ("goodput", "edgellm", "fixed")

@@ -152,7 +152,7 @@ def generate(args) -> int:
     token_ids: list[int] = []
     prompt_ids: list[int] = []
     text_parts: list[str] = []
-    rounds = accepted = drafted = 0
+    rounds = accepted = drafted = wasted = kept = 0
     finish = ""
     try:
         addresses = _addresses(address)
@@ -170,6 +170,8 @@ def generate(args) -> int:
                     rounds += 1
                     accepted += chunk.stats.num_accepted
                     drafted += chunk.stats.num_draft_tokens
+                    wasted += chunk.stats.wasted
+                    kept += chunk.stats.provisional_kept
                 finish = chunk.finish_reason or finish
                 if not args.json and chunk.text:
                     print(chunk.text, end="", flush=True)
@@ -191,6 +193,9 @@ def generate(args) -> int:
         "tau": len(token_ids) / rounds if rounds else 0.0,
         "num_draft_tokens": drafted,
         "finish_reason": finish,
+        "verifications": rounds,  # one verification per round
+        "wasted_draft_tokens": wasted,
+        "provisional_kept": kept,
     }
     if args.json:
         print(json.dumps(result))

@@ -15,6 +15,8 @@ class RoundStats:
     verify_ms: float
     drafter: str  # "ngram", "model" or "none" (target-only round)
     tree_depth: int = 0  # depth of the verified tree
+    wasted: int = 0  # drafted tokens that were not committed: tree nodes off the accepted path + dropped provisional
+    provisional_kept: int = 0  # tree nodes that were last round's provisional tokens (drafted under a verification)
 
 
 @dataclass(frozen=True)

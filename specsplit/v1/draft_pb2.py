@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specsplit.v1 import common_pb2 as specsplit_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specsplit/v1/draft.proto\x12\x0cspecsplit.v1\x1a\x19specsplit/v1/common.proto\"\x12\n\x10\x44raftInfoRequest\"e\n\x11\x44raftInfoResponse\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x11\n\tmax_nodes\x18\x04 \x01(\r\"\x92\x01\n\x13StartSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\"\x16\n\x14StartSessionResponse\"h\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10\x63ommitted_length\x18\x03 \x01(\r\x12\x11\n\tmax_nodes\x18\x04 \x01(\r\"J\n\x0fProposeResponse\x12%\n\x04tree\x18\x01 \x01(\x0b\x32\x17.specsplit.v1.TokenTree\x12\x10\n\x08\x64raft_ms\x18\x02 \x01(\x01\"\'\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x14\n\x12\x45ndSessionResponse2\xca\x02\n\x0c\x44raftService\x12J\n\x07GetInfo\x12\x1e.specsplit.v1.DraftInfoRequest\x1a\x1f.specsplit.v1.DraftInfoResponse\x12U\n\x0cStartSession\x12!.specsplit.v1.StartSessionRequest\x1a\".specsplit.v1.StartSessionResponse\x12\x46\n\x07Propose\x12\x1c.specsplit.v1.ProposeRequest\x1a\x1d.specsplit.v1.ProposeResponse\x12O\n\nEndSession\x12\x1f.specsplit.v1.EndSessionRequest\x1a .specsplit.v1.EndSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specsplit/v1/draft.proto\x12\x0cspecsplit.v1\x1a\x19specsplit/v1/common.proto\"\x12\n\x10\x44raftInfoRequest\"e\n\x11\x44raftInfoResponse\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x11\n\tmax_nodes\x18\x04 \x01(\r\"\x92\x01\n\x13StartSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\"\x16\n\x14StartSessionResponse\"h\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10\x63ommitted_length\x18\x03 \x01(\r\x12\x11\n\tmax_nodes\x18\x04 \x01(\r\"J\n\x0fProposeResponse\x12%\n\x04tree\x18\x01 \x01(\x0b\x32\x17.specsplit.v1.TokenTree\x12\x10\n\x08\x64raft_ms\x18\x02 \x01(\x01\"\'\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x14\n\x12\x45ndSessionResponse\"^\n\x10\x44raftTreeRequest\x12-\n\x05start\x18\x01 \x01(\x0b\x32\x1c.specsplit.v1.DraftTreeStartH\x00\x12\x13\n\tverifying\x18\x02 \x01(\rH\x00\x42\x06\n\x04kind\"X\n\x0e\x44raftTreeStart\x12-\n\x07propose\x18\x01 \x01(\x0b\x32\x1c.specsplit.v1.ProposeRequest\x12\x17\n\x0fprovisional_max\x18\x02 \x01(\r\"\x99\x01\n\nTreeGrowth\x12\r\n\x05\x66irst\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0f\n\x07parents\x18\x03 \x03(\x05\x12\x13\n\x0b\x64raft_probs\x18\x04 \x03(\x02\x12\x13\n\x0bprovisional\x18\x05 \x01(\x08\x12\x0c\n\x04\x64one\x18\x06 \x01(\x08\x12\x0e\n\x06seeded\x18\x07 \x01(\r\x12\x10\n\x08\x64raft_ms\x18\x08 \x01(\x01\x32\x95\x03\n\x0c\x44raftService\x12J\n\x07GetInfo\x12\x1e.specsplit.v1.DraftInfoRequest\x1a\x1f.specsplit.v1.DraftInfoResponse\x12U\n\x0cStartSession\x12!.specsplit.v1.StartSessionRequest\x1a\".specsplit.v1.StartSessionResponse\x12\x46\n\x07Propose\x12\x1c.specsplit.v1.ProposeRequest\x1a\x1d.specsplit.v1.ProposeResponse\x12O\n\nEndSession\x12\x1f.specsplit.v1.EndSessionRequest\x1a .specsplit.v1.EndSessionResponse\x12I\n\tDraftTree\x12\x1e.specsplit.v1.DraftTreeRequest\x1a\x18.specsplit.v1.TreeGrowth(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,6 +48,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENDSESSIONREQUEST']._serialized_end=586
   _globals['_ENDSESSIONRESPONSE']._serialized_start=588
   _globals['_ENDSESSIONRESPONSE']._serialized_end=608
-  _globals['_DRAFTSERVICE']._serialized_start=611
-  _globals['_DRAFTSERVICE']._serialized_end=941
+  _globals['_DRAFTTREEREQUEST']._serialized_start=610
+  _globals['_DRAFTTREEREQUEST']._serialized_end=704
+  _globals['_DRAFTTREESTART']._serialized_start=706
+  _globals['_DRAFTTREESTART']._serialized_end=794
+  _globals['_TREEGROWTH']._serialized_start=797
+  _globals['_TREEGROWTH']._serialized_end=950
+  _globals['_DRAFTSERVICE']._serialized_start=953
+  _globals['_DRAFTSERVICE']._serialized_end=1358
 # @@protoc_insertion_point(module_scope)

@@ -1,6 +1,6 @@
 """Width-adaptive tree growth: budget, depth where confident, branching threshold, one expand per step."""
 
-from draft_service.growth import GrowingTree, GrowthPolicy, best_leaf, grow_tree
+from specsplit.growth import GrowingTree, GrowthPolicy, best_leaf, grow_tree
 
 
 def chain_expand(probs_by_branch):

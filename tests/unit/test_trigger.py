@@ -2,13 +2,13 @@
 
 import pytest
 
-from orchestrator.trigger import (EdgeLLMThreshold, FixedSize, GoodputThreshold, RoundOutcome, make_trigger,
-                                  tree_confidence)
+from orchestrator.trigger import (EdgeLLMThreshold, FixedSize, GoodputThreshold, RoundOutcome, fit_gamma,
+                                  make_trigger, tree_confidence)
 
 
-def outcome(n_all, n_ok, committed=None, round_ms=100.0, steps=4, draft_ms=40.0, predicted=None):
-    return RoundOutcome(n_all, n_ok, n_all * 0.5 if predicted is None else predicted,
-                        n_ok + 1 if committed is None else committed, round_ms, steps, draft_ms)
+def outcome(n_all, n_ok, committed=None, round_ms=100.0, steps=4, draft_ms=40.0, confidences=None):
+    conf = tuple(0.8 ** (i + 1) for i in range(n_all)) if confidences is None else tuple(confidences)
+    return RoundOutcome(n_all, n_ok, conf, n_ok + 1 if committed is None else committed, round_ms, steps, draft_ms)
 
 
 def test_edgellm_all_correct_halves_alpha():
@@ -43,12 +43,18 @@ def test_tree_confidence_is_max_over_live_branches():
     assert tree_confidence(conf, []) == 1.0
 
 
-def test_goodput_alpha_is_rate_times_step_over_calibration():
+def test_goodput_alpha_is_rate_times_step_to_the_inverse_gamma():
     t = GoodputThreshold(ema=1.0)
-    t.observe(outcome(4, 2, committed=3, round_ms=150.0, steps=4, draft_ms=40.0, predicted=2.0))
-    rate, step = 3 / 150.0, 10.0
-    calib = (2 + 0.1) / (2.0 + 0.1)
-    assert t.alpha == pytest.approx(rate * step / calib)
+    conf = [0.5, 0.25, 0.125, 0.0625]
+    t.observe(outcome(4, 2, committed=3, round_ms=150.0, steps=4, draft_ms=40.0, confidences=conf))
+    assert sum(c ** t.gamma for c in conf) == pytest.approx(2.0, rel=1e-6)
+    assert t.alpha == pytest.approx((3 / 150.0 * 10.0) ** (1 / t.gamma))
+
+
+def test_fit_gamma():
+    assert fit_gamma([0.5, 0.25], 2, (0.02, 8.0)) == 0.02  # all accepted: better than any γ in range predicts
+    assert fit_gamma([0.5, 0.25], 0, (0.02, 8.0)) == 8.0
+    assert fit_gamma([0.5, 0.25], 0.75, (0.02, 8.0)) == pytest.approx(1.0, abs=1e-6)
 
 
 def test_goodput_drafts_deeper_on_a_slower_network():
@@ -60,13 +66,11 @@ def test_goodput_drafts_deeper_on_a_slower_network():
 
 
 def test_goodput_trusts_a_draft_that_beats_its_confidence():
-    t = GoodputThreshold()
+    good, bad = GoodputThreshold(), GoodputThreshold()
     for _ in range(10):
-        t.observe(outcome(6, 6, predicted=2.0))
-    u = GoodputThreshold()
-    for _ in range(10):
-        u.observe(outcome(6, 1, predicted=2.0))
-    assert t.calib > 1 > u.calib and t.alpha < u.alpha
+        good.observe(outcome(6, 6))
+        bad.observe(outcome(6, 1))
+    assert good.gamma < 1 < bad.gamma and good.alpha < bad.alpha
 
 
 def test_make_trigger():

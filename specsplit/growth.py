@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from specsplit.tree import GrowthStep
+
 # frontier node indices (-1 = the root) -> per frontier node, candidate (token, prob) pairs, most probable first
 Expand = Callable[[list[int]], list[list[tuple[int, float]]]]
 
@@ -49,22 +51,17 @@ class GrowingTree:
         self.confidence.append(base * prob)
         return len(self.token_ids) - 1
 
+    def truncate(self, n: int) -> None:
+        """Drop nodes from index n on (nodes streamed after the ones sent for verification)."""
+        for values in (self.token_ids, self.parents, self.draft_probs, self.confidence):
+            del values[n:]
+
     def path_to(self, node: int) -> list[int]:
         path = []
         while node >= 0:
             path.append(node)
             node = self.parents[node]
         return path[::-1]
-
-
-@dataclass(frozen=True)
-class GrowthStep:
-    """Nodes added by one draft forward (indices continue the tree's)."""
-
-    first: int  # index of the first new node
-    token_ids: tuple[int, ...]  # [S]
-    parents: tuple[int, ...]  # [S]
-    draft_probs: tuple[float, ...]  # [S]
 
 
 def children_to_add(tree: GrowingTree, frontier: list[int], candidates: list[list[tuple[int, float]]],
