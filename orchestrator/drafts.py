@@ -126,6 +126,7 @@ class DraftMixin:
         started = time.perf_counter()
         tree = GrowingTree()
         steps = seeded = 0
+        step_ms = 0.0  # draft forward time as the draft measured it (no waiting, no network)
         stream = None
         if max_nodes > 0:
             try:
@@ -139,7 +140,9 @@ class DraftMixin:
                         break
                     live = [tree.add(p, t, q) for p, t, q in zip(step.parents, step.token_ids, step.draft_probs)]
                     seeded += step.seeded
-                    steps += bool(live) and not step.seeded
+                    if live and not step.seeded:
+                        steps += 1
+                        step_ms += step.draft_ms
                     if step.done or len(tree) >= max_nodes or \
                             trigger.should_verify(tree_confidence(tree.confidence, live), len(tree)):
                         break
@@ -180,7 +183,7 @@ class DraftMixin:
         trigger.observe(RoundOutcome(
             num_drafted=len(branch), num_accepted=accepted,
             confidences=tuple(tree.confidence[n] for n in branch), committed=len(committed), round_ms=round_ms,
-            draft_steps=steps, draft_ms=draft_ms))
+            draft_steps=steps, draft_ms=step_ms))
         wasted = len(tree) - accepted + len(provisional) - min(len(kept), len(provisional))
         return TreeRound(token_tree, draft_ms if len(tree) else None, verdict, timing, wasted, seeded)
 

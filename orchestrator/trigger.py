@@ -40,7 +40,7 @@ class RoundOutcome:
     committed: int  # tokens committed this round (accepted + recovered/bonus)
     round_ms: float  # wall time of the round at the orchestrator: drafting until the trigger + verify incl. network
     draft_steps: int  # draft forwards until the trigger
-    draft_ms: float  # wall time from opening the draft stream to the trigger
+    draft_ms: float  # draft forward time until the trigger, as the draft measured it
 
 
 @dataclass
