@@ -207,13 +207,15 @@ def drive(args) -> None:
                     "drafted": sum(s.num_draft_tokens for s in stats), "accepted": sum(s.num_accepted for s in stats),
                     "wasted": sum(s.wasted for s in stats), "provisional_kept": sum(s.provisional_kept for s in stats),
                     "identical": tokens == expected,
+                    "target_only_rounds": sum(s.drafter == "none" for s in stats),  # draft fallbacks (timeouts)
                 })
             orch.close()
             row = summarize(rtt, name, runs)
             results.append(row)
             print(f"RTT {rtt:>3} ms  {name:<14} {row['tokens_per_s']:6.2f} tok/s  tau {row['tau']:5.2f}  "
                   f"verif/100 {row['verifications_per_100']:5.1f}  wasted {row['wasted']:4d}  "
-                  f"kept {row['provisional_kept']:3d}  identical {row['identical']}", flush=True)
+                  f"kept {row['provisional_kept']:3d}  target-only rounds {row['target_only_rounds']}  "
+                  f"identical {row['identical']}", flush=True)
     pathlib.Path(args.driver_out).write_text(json.dumps(results))
 
 
@@ -227,7 +229,8 @@ def summarize(rtt: int, name: str, runs: list[dict]) -> dict:
         "tau": tokens / rounds if rounds else 0.0,
         "verifications_per_100": 100.0 * rounds / tokens if tokens else 0.0,
         "wasted": sum(r["wasted"] for r in runs), "provisional_kept": sum(r["provisional_kept"] for r in runs),
-        "identical": all(r["identical"] for r in runs), "runs": runs,
+        "identical": all(r["identical"] for r in runs),
+        "target_only_rounds": sum(r.get("target_only_rounds", 0) for r in runs), "runs": runs,
     }
 
 

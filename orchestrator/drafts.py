@@ -134,8 +134,11 @@ class DraftMixin:
                                                   self.config.provisional_max,
                                                   timeout=self.config.verify_timeout_s + self.config.draft_timeout_s)
                 session.unsent = []
+                # The first step may wait for the previous round's last forward and catch up on many tokens.
+                timeout = self.config.draft_timeout_s * 5
                 while True:
-                    step = stream.next(timeout=self.config.draft_timeout_s)
+                    step = stream.next(timeout=timeout)
+                    timeout = self.config.draft_timeout_s
                     if step is None or step.provisional:
                         break
                     live = [tree.add(p, t, q) for p, t, q in zip(step.parents, step.token_ids, step.draft_probs)]
