@@ -65,16 +65,19 @@ def all_configs(fixed_sizes: list[int]) -> list[str]:
     return [f"{n}+{p}" for n in names for p in ("0", "prov")] + ["ngram"]
 
 
-def orchestrator_config(name: str, provisional_max: int):
+def orchestrator_config(name: str, provisional_max: int, draft_timeout_s: float):
     from specsplit.config import OrchestratorConfig
 
+    # A shared, overloaded CPU can make one draft forward take seconds: a longer draft timeout than the
+    # service default keeps such stalls from turning into target-only rounds (counted as target_only_rounds).
     if name == "ngram":
-        return OrchestratorConfig(trigger="budget")
+        return OrchestratorConfig(trigger="budget", draft_timeout_s=draft_timeout_s)
     base, prov = name.split("+")
     provisional = provisional_max if prov == "prov" else 0
     if base.startswith("fixed-"):
-        return OrchestratorConfig(trigger="fixed", fixed_tree_nodes=int(base[6:]), provisional_max=provisional)
-    return OrchestratorConfig(trigger=base, provisional_max=provisional)
+        return OrchestratorConfig(trigger="fixed", fixed_tree_nodes=int(base[6:]), provisional_max=provisional,
+                                  draft_timeout_s=draft_timeout_s)
+    return OrchestratorConfig(trigger=base, provisional_max=provisional, draft_timeout_s=draft_timeout_s)
 
 
 # -- hosts --------------------------------------------------------------------------------------------
@@ -187,7 +190,7 @@ def drive(args) -> None:
     results = []
     for rtt in args.rtts:
         for name in args.config_list:
-            config = orchestrator_config(name, args.provisional_max)
+            config = orchestrator_config(name, args.provisional_max, args.draft_timeout)
             draft_address = args.ngram if name == "ngram" else args.draft
             orch = Orchestrator([RemoteVerifier(verifiers[str(rtt)])], [RemoteDraft(draft_address)], tokenizer, config)
             draft = "ngram" if name == "ngram" else "model"
@@ -322,6 +325,8 @@ def parse_args(argv=None):
     parser.add_argument("--fixed-sizes", default="4,8,16", help="fixed tree sizes to compare (default 4,8,16)")
     parser.add_argument("--configs", default="", help="comma-separated subset of the configurations (default all)")
     parser.add_argument("--provisional-max", type=int, default=16, help="provisional tokens per verification (default 16)")
+    parser.add_argument("--draft-timeout", type=float, default=10.0,
+                        help="orchestrator's draft timeout, s (default 10; the service default 2 is tight on a busy CPU)")
     parser.add_argument("--target-model", default=None, help="target (default SmolLM2-135M-Instruct)")
     parser.add_argument("--draft-model", default=None, help="draft model dir (default: the target's own cache dir)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
@@ -390,7 +395,7 @@ def main(argv=None) -> int:
             "--ngram", f"{hosts.edge_ip}:{NGRAM_PORT}", "--rtts", ",".join(map(str, args.rtts)),
             "--prompts", args.prompts, "--code-prompt", args.code_prompt, "--max-new-tokens", str(args.max_new_tokens),
             "--configs", ",".join(args.config_list), "--provisional-max", str(args.provisional_max),
-            "--threads", str(args.threads)] + (["--target-model", args.target_model] if args.target_model else [])
+            "--threads", str(args.threads), "--draft-timeout", str(args.draft_timeout)] + (["--target-model", args.target_model] if args.target_model else [])
         subprocess.run(cmd, check=True, cwd=ROOT)
         rows = json.loads(driver_out.read_text())
     finally:
