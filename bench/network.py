@@ -189,31 +189,39 @@ def drive(args) -> None:
     verifiers = json.loads(args.verifier_for_rtt)
     results = []
     for rtt in args.rtts:
+        # Configurations take turns prompt by prompt, so a change in the machine's load hits them alike.
+        orchs, runs = {}, {name: [] for name in args.config_list}
         for name in args.config_list:
             config = orchestrator_config(name, args.provisional_max, args.draft_timeout)
             draft_address = args.ngram if name == "ngram" else args.draft
             orch = Orchestrator([RemoteVerifier(verifiers[str(rtt)])], [RemoteDraft(draft_address)], tokenizer, config)
-            draft = "ngram" if name == "ngram" else "model"
             orch.verifier_info  # connect (TCP + HTTP/2 setup through the relay) before timing
-            orch.pick_draft(draft)
-            runs = []
-            for p in ([code] if name == "ngram" else prompts):
-                prompt_ids, expected = references[p["id"]]
-                request = GenerationRequest(prompt_token_ids=prompt_ids, max_new_tokens=args.max_new_tokens, draft=draft)
+            orch.pick_draft("ngram" if name == "ngram" else "model")
+            orchs[name] = orch
+        for i, p in enumerate(prompts):
+            order = args.config_list[i % len(args.config_list):] + args.config_list[:i % len(args.config_list)]
+            for name in order:
+                if name == "ngram" and i > 0:
+                    continue  # one code-edit prompt for the n-gram row
+                prompt = code if name == "ngram" else p
+                prompt_ids, expected = references[prompt["id"]]
+                request = GenerationRequest(prompt_token_ids=prompt_ids, max_new_tokens=args.max_new_tokens,
+                                            draft="ngram" if name == "ngram" else "model")
                 start = time.perf_counter()
-                chunks = list(orch.generate(request))
+                chunks = list(orchs[name].generate(request))
                 elapsed = time.perf_counter() - start
                 stats = [c.stats for c in chunks if c.stats is not None]
                 tokens = [t for c in chunks for t in c.token_ids]
-                runs.append({
-                    "prompt": p["id"], "tokens": len(tokens), "seconds": elapsed, "rounds": len(stats),
+                runs[name].append({
+                    "prompt": prompt["id"], "tokens": len(tokens), "seconds": elapsed, "rounds": len(stats),
                     "drafted": sum(s.num_draft_tokens for s in stats), "accepted": sum(s.num_accepted for s in stats),
                     "wasted": sum(s.wasted for s in stats), "provisional_kept": sum(s.provisional_kept for s in stats),
                     "identical": tokens == expected,
                     "target_only_rounds": sum(s.drafter == "none" for s in stats),  # draft fallbacks (timeouts)
                 })
-            orch.close()
-            row = summarize(rtt, name, runs)
+        for name in args.config_list:
+            orchs[name].close()
+            row = summarize(rtt, name, runs[name])
             results.append(row)
             print(f"RTT {rtt:>3} ms  {name:<14} {row['tokens_per_s']:6.2f} tok/s  tau {row['tau']:5.2f}  "
                   f"verif/100 {row['verifications_per_100']:5.1f}  wasted {row['wasted']:4d}  "
