@@ -285,10 +285,9 @@ class ModelProposer:
                 if control.verifying is not None or control.closed:
                     finished = False  # the verifier already has fewer nodes than this forward made
                     break
-                now = time.perf_counter()
                 yield GrowthStep(step.first, step.token_ids, step.parents, step.draft_probs,
-                                 draft_ms=(now - start) * 1e3)
-                start = now
+                                 draft_ms=(time.perf_counter() - start) * 1e3)
+                start = time.perf_counter()  # not counting the time the consumer held us at the yield
             if finished:
                 yield GrowthStep(len(tree), (), (), (), done=True)
             control.wait()
@@ -304,10 +303,9 @@ class ModelProposer:
                 row = last_rows[leaf] if leaf in last_rows else forward([leaf])[0]  # [V]
                 prob, token = row.softmax(dim=-1).max(dim=-1)
                 leaf = tree.add(leaf, int(token), float(prob))
-                now = time.perf_counter()
                 yield GrowthStep(leaf, (int(token),), (tree.parents[leaf],), (float(prob),), provisional=True,
-                                 draft_ms=(now - start) * 1e3)
-                start = now
+                                 draft_ms=(time.perf_counter() - start) * 1e3)
+                start = time.perf_counter()
         finally:
             self._keep_path(session, token_ids, tree, slot, leaf)
 

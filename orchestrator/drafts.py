@@ -143,8 +143,8 @@ class DraftMixin:
                         break
                     live = [tree.add(p, t, q) for p, t, q in zip(step.parents, step.token_ids, step.draft_probs)]
                     seeded += step.seeded
-                    if live and not step.seeded:
-                        steps += 1
+                    if live and not step.seeded and step.first > 0:  # a tree forward (the root's children
+                        steps += 1                                   # come from the catch-up forward)
                         step_ms += step.draft_ms
                     if step.done or len(tree) >= max_nodes or \
                             trigger.should_verify(tree_confidence(tree.confidence, live), len(tree)):
