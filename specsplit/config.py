@@ -62,10 +62,12 @@ class OrchestratorConfig:
     max_streams: int = 256  # concurrent Generate streams (each holds a server thread); matches the verifier's sessions
     # Greedy sessions with a model draft stream width-adaptive trees (DraftTree) and verify when the
     # trigger says so; "budget" keeps the older per-round node budget (Propose). See bench/network.py.
-    trigger: str = "goodput"  # goodput | edgellm | fixed | budget
+    # Defaults = the best geometric-mean tokens/s over RTT 0/20/50/100 in bench/results/network.md
+    # (draft = target, one shared CPU core; the adaptive triggers were within ~6%, inside that run's noise).
+    trigger: str = "fixed"  # goodput | edgellm | fixed | budget
     fixed_tree_nodes: int = 16  # trigger "fixed": verify at this many nodes
     tree_max_nodes: int = 48  # node budget of a streamed tree (any trigger)
-    provisional_max: int = 16  # tokens drafted from the best branch while its tree is verified; 0: off
+    provisional_max: int = 0  # tokens drafted from the best branch while its tree is verified; 0: off (measured best)
 
     def default_new_tokens(self) -> int:
         return min(self.default_max_new_tokens, self.max_new_tokens_limit)
