@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from opentelemetry import trace
 
 from draft_service.proposers import Proposer
+from specsplit.growth import GrowthStep
 from specsplit.errors import FailedPrecondition, InvalidArgument, NotFound
 from specsplit.features import Features
 from specsplit.sampling import SamplingParams
@@ -54,17 +56,9 @@ class Drafter:
     def propose(self, session_id: str, new_token_ids: list[int], committed_length: int, max_nodes: int,
                 features: list[Features] = ()) -> tuple[TokenTree, float]:
         """features: the target's features the verifier returned since the previous call (feature drafters)."""
-        session = self._sessions.get(session_id)
-        if session is None:
-            raise NotFound(f"unknown draft session {session_id!r}: call StartSession first")
+        session = self._session(session_id)
         with session.lock:
-            if len(session.token_ids) + len(new_token_ids) != committed_length:
-                raise FailedPrecondition(
-                    f"draft session {session_id!r} has {len(session.token_ids)} committed tokens; "
-                    f"{len(new_token_ids)} new ones make {len(session.token_ids) + len(new_token_ids)}, "
-                    f"not the {committed_length} the request says"
-                )
-            session.token_ids.extend(new_token_ids)
+            self._extend(session_id, session, new_token_ids, committed_length)
             start = time.perf_counter()
             with tracer.start_as_current_span("specsplit.draft.propose") as span:
                 if features and getattr(self.proposer, "wants_features", False):
@@ -74,9 +68,74 @@ class Drafter:
                 span.set_attribute("specsplit.num_draft_tokens", len(tree))
             return tree, (time.perf_counter() - start) * 1e3
 
+    def grow(self, session_id: str, new_token_ids: list[int], committed_length: int, max_nodes: int,
+             control: "GrowthControl", provisional_max: int = 0) -> Iterator[GrowthStep]:
+        """A DraftTree round: the proposer's growth steps (a proposer without ``grow``: its tree, in one step)."""
+        session = self._session(session_id)
+        with session.lock:  # the next round of this session waits until this one has finished its forward
+            self._extend(session_id, session, new_token_ids, committed_length)
+            budget = min(max_nodes, self.max_nodes)
+            with tracer.start_as_current_span("specsplit.draft.grow") as span:
+                grow = getattr(self.proposer, "grow", None)
+                if grow is None:
+                    start = time.perf_counter()
+                    tree = self.proposer.propose(session_id, session.token_ids, budget)
+                    yield GrowthStep(0, tree.token_ids, tree.parents, tree.draft_probs, done=True,
+                                     draft_ms=(time.perf_counter() - start) * 1e3)
+                    return
+                nodes = provisional = 0
+                for step in grow(session_id, session.token_ids, budget, control, provisional_max):
+                    if step.provisional:
+                        provisional += len(step.token_ids)
+                    else:
+                        nodes += len(step.token_ids)
+                    yield step
+                span.set_attribute("specsplit.num_draft_tokens", nodes)
+                span.set_attribute("specsplit.num_provisional", provisional)
+
+    def _session(self, session_id: str) -> DraftSession:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise NotFound(f"unknown draft session {session_id!r}: call StartSession first")
+        return session
+
+    @staticmethod
+    def _extend(session_id: str, session: DraftSession, new_token_ids: list[int], committed_length: int) -> None:
+        if len(session.token_ids) + len(new_token_ids) != committed_length:
+            raise FailedPrecondition(
+                f"draft session {session_id!r} has {len(session.token_ids)} committed tokens; "
+                f"{len(new_token_ids)} new ones make {len(session.token_ids) + len(new_token_ids)}, "
+                f"not the {committed_length} the request says"
+            )
+        session.token_ids.extend(new_token_ids)
+
     def num_sessions(self) -> int:
         return len(self._sessions)
 
     def end(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
         self.proposer.end(session_id)
+
+
+class GrowthControl:
+    """What the orchestrator said during a DraftTree round; set by the thread reading its requests."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self.verifying: int | None = None  # nodes sent for verification
+        self.closed = False  # the orchestrator ended the round (or went away)
+
+    def verify(self, num_nodes: int) -> None:
+        with self._cond:
+            if self.verifying is None:
+                self.verifying = num_nodes
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+    def wait(self, timeout: float | None = None) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self.verifying is not None or self.closed, timeout)

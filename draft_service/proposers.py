@@ -6,11 +6,15 @@ it likes (an n-gram index, a KV cache); the draft servicer only routes calls.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from dataclasses import dataclass
-
 import torch
+
+from specsplit.growth import GrowingTree, GrowthPolicy, GrowthStep, best_leaf, grow_tree
+from specsplit.provisional import reconcile_provisional
 
 from specsplit import kvcache
 from specsplit.config import DraftConfig
@@ -114,6 +118,20 @@ class _ModelSession:
     cached: list[int]  # the token ids in the cache
     sampling: SamplingParams  # the target's; q mirrors it (truncated to q_top_k ids)
     generator: torch.Generator | None
+    # The last DraftTree round's provisional path (best verified branch + provisional tokens), drafted
+    # after `path_base` committed tokens; the cache holds those committed tokens + a prefix of the path.
+    path_base: int = 0
+    path_tokens: list[int] = field(default_factory=list)  # [P]
+    path_probs: list[float] = field(default_factory=list)  # [P]
+
+
+class GrowthControl(Protocol):
+    """What the orchestrator has said so far in a DraftTree round (set from another thread)."""
+
+    verifying: int | None  # nodes sent for verification, once said
+    closed: bool  # the round is over
+
+    def wait(self, timeout: float | None = None) -> None: ...  # until verifying is set or closed
 
 
 class ModelProposer:
@@ -159,6 +177,7 @@ class ModelProposer:
 
     def propose(self, session_id: str, token_ids: list[int], max_nodes: int) -> TokenTree:
         session = self._sessions[session_id]
+        session.path_tokens, session.path_probs = [], []
         if max_nodes <= 0:
             return TokenTree.empty()
         if session.generator is not None and session.sampling.seed is not None:  # same draws on any restart
@@ -198,6 +217,127 @@ class ModelProposer:
             logits = self._expand(session.cache, committed, tree, slot, frontier)
         kvcache.truncate(session.cache, committed)
         return TokenTree(tuple(tokens), tuple(parents), tuple(draft_probs), tuple(node_q) if sampled else ())
+
+    @property
+    def growth_policy(self) -> GrowthPolicy:
+        c = self.config
+        return GrowthPolicy(c.branch_threshold, c.grow_width, c.grow_min_relative, c.grow_max_depth)
+
+    def grow(self, session_id: str, token_ids: list[int], max_nodes: int, control: GrowthControl,
+             provisional_max: int = 0) -> Iterator[GrowthStep]:
+        """One DraftTree round: stream a width-adaptive tree as it grows, then draft provisionally.
+
+        Each yielded step is one draft forward over the whole frontier (tree mask over the draft's KV
+        cache). Once the orchestrator says how many nodes it sent for verification, growth stops and up to
+        ``provisional_max`` tokens follow the best verified branch's leaf, one forward each, until the round
+        is closed. The cache keeps committed + that path, so next round's committed tokens are mostly cached
+        already, and if they ran along the path, the rest of it seeds the next tree with no forward at all.
+        """
+        session = self._sessions[session_id]
+        if not session.sampling.greedy:  # sampled trees need exact q per draw: the Propose path's trees
+            tree = self.propose(session_id, token_ids, max_nodes)
+            yield GrowthStep(0, tree.token_ids, tree.parents, tree.draft_probs, done=True)
+            return
+        committed = len(token_ids)
+        tree = GrowingTree()
+        slot: dict[int, int] = {}  # node -> its offset in the cache after the committed tokens
+        last_rows: dict[int, torch.Tensor] = {}  # node -> next-token logits [V], from the latest forward
+        seed = self._kept_provisional(session, token_ids)
+        session.path_tokens, session.path_probs = [], []
+        start = time.perf_counter()
+        if seed:
+            for token, prob in seed:
+                tree.add(len(tree) - 1, token, prob)
+            for node in range(len(seed) - 1):
+                slot[node] = node  # the cache already holds them, in order, right after the committed tokens
+            frontier = [len(seed) - 1]
+            root_logits = None
+        else:
+            root_logits = self._catch_up(session, token_ids)[-1]  # [V] after the root (last committed token)
+            frontier = [-1]
+
+        def forward(nodes: list[int]) -> torch.Tensor:
+            """Next-token logits of each node ([F, V]); one draft forward for the non-root ones."""
+            rows = {}
+            if -1 in nodes:
+                rows[-1] = root_logits
+            run = [n for n in nodes if n >= 0]
+            if run:
+                out = self._expand(session.cache, committed, TokenTree(tuple(tree.token_ids), tuple(tree.parents)),
+                                   slot, run)  # [F, V]
+                rows.update(zip(run, out))
+            last_rows.clear()
+            last_rows.update(rows)
+            return torch.stack([rows[n] for n in nodes])  # [F, V]
+
+        def expand(nodes: list[int]) -> list[list[tuple[int, float]]]:
+            probs = forward(nodes).softmax(dim=-1)  # [F, V]
+            values, indices = probs.topk(3, dim=-1)  # [F, 3]: at most 3 candidates can be above 0.3
+            return [list(zip(indices[r].tolist(), values[r].tolist())) for r in range(len(nodes))]
+
+        leaf = -1
+        try:
+            if seed:
+                yield GrowthStep(0, tuple(tree.token_ids), tuple(tree.parents), tuple(tree.draft_probs),
+                                 seeded=len(seed), draft_ms=(time.perf_counter() - start) * 1e3)
+            finished = True
+            for step in grow_tree(expand, max_nodes, self.growth_policy, tree=tree, frontier=frontier):
+                if control.verifying is not None or control.closed:
+                    finished = False  # the verifier already has fewer nodes than this forward made
+                    break
+                yield GrowthStep(step.first, step.token_ids, step.parents, step.draft_probs,
+                                 draft_ms=(time.perf_counter() - start) * 1e3)
+                start = time.perf_counter()  # not counting the time the consumer held us at the yield
+            if finished:
+                yield GrowthStep(len(tree), (), (), (), done=True)
+            control.wait()
+            num_verified = control.verifying if control.verifying is not None else 0
+            tree.truncate(num_verified)
+            for node in [n for n in slot if n >= num_verified]:
+                del slot[node]  # their cache rows stay (masked out) until the compaction below
+            leaf = best_leaf(tree)
+            start = time.perf_counter()
+            for _ in range(provisional_max if leaf >= 0 else 0):
+                if control.closed:
+                    break
+                row = last_rows[leaf] if leaf in last_rows else forward([leaf])[0]  # [V]
+                prob, token = row.softmax(dim=-1).max(dim=-1)
+                leaf = tree.add(leaf, int(token), float(prob))
+                yield GrowthStep(leaf, (int(token),), (tree.parents[leaf],), (float(prob),), provisional=True,
+                                 draft_ms=(time.perf_counter() - start) * 1e3)
+                start = time.perf_counter()
+        finally:
+            self._keep_path(session, token_ids, tree, slot, leaf)
+
+    def _kept_provisional(self, session: _ModelSession, token_ids: list[int]) -> list[tuple[int, float]]:
+        """Last round's provisional tokens that continue ``token_ids`` and whose KV (all but the last) is
+        cached right after them; the cache is cut to exactly that. [] when there are none."""
+        base, path = session.path_base, session.path_tokens
+        if not path or len(token_ids) <= base or session.cached[:base] != token_ids[:base]:
+            return []
+        kept = reconcile_provisional(token_ids[base:], path)
+        need = list(token_ids) + kept[:-1]
+        if not kept or session.cached[: len(need)] != need:
+            return []
+        kvcache.truncate(session.cache, len(need))
+        session.cached = need
+        return list(zip(kept, session.path_probs[len(path) - len(kept):]))
+
+    def _keep_path(self, session: _ModelSession, token_ids: list[int], tree: GrowingTree, slot: dict[int, int],
+                   leaf: int) -> None:
+        """Leave committed + the provisional path's cached prefix in the cache (in order) and remember the path."""
+        committed = len(token_ids)
+        path = tree.path_to(leaf) if 0 <= leaf < len(tree) else []
+        cached_nodes = []
+        for node in path:
+            if node not in slot:
+                break
+            cached_nodes.append(node)
+        kvcache.compact(session.cache, committed, tuple(slot[n] for n in cached_nodes))
+        session.cached = list(token_ids) + [tree.token_ids[n] for n in cached_nodes]
+        session.path_base = committed
+        session.path_tokens = [tree.token_ids[n] for n in path]
+        session.path_probs = [tree.draft_probs[n] for n in path]
 
     def _catch_up(self, session: _ModelSession, token_ids: list[int]) -> torch.Tensor:
         """Bring the cache to the committed tokens; return the next-token logits after the last one ([1, V])."""
@@ -248,9 +388,11 @@ class ModelProposer:
         Every ancestor of a frontier node was itself a frontier node at a smaller depth, so it has a slot.
         """
         device = self.model.device
+        used = kvcache.cache_length(cache) - committed  # rows after the committed tokens (some may be cut nodes)
         for node in frontier:
-            slot[node] = len(slot)
-        allowed = torch.zeros(len(frontier), committed + len(slot), dtype=torch.bool)  # [F, C+T]
+            slot[node] = used
+            used += 1
+        allowed = torch.zeros(len(frontier), committed + used, dtype=torch.bool)  # [F, C+T]
         allowed[:, :committed] = True
         for row, node in enumerate(frontier):
             for ancestor in tree.path_to(node):

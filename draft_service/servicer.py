@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from draft_service.drafter import Drafter
-from specsplit.rpc import features_from_pb, sampling_from_pb, tree_to_pb
+import threading
+
+from draft_service.drafter import Drafter, GrowthControl
+from specsplit.errors import InvalidArgument
+from specsplit.rpc import features_from_pb, growth_to_pb, sampling_from_pb, tree_to_pb
 from specsplit.serving import grpc_errors
 from specsplit.sweep import IdleSweeper
 from specsplit.v1 import draft_pb2, draft_pb2_grpc
@@ -41,6 +44,31 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             [features_from_pb(f) for f in request.features],
         )
         return draft_pb2.ProposeResponse(tree=tree_to_pb(tree), draft_ms=draft_ms)
+
+    @grpc_errors
+    def DraftTree(self, request_iterator, context):
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("kind") != "start":
+            raise InvalidArgument("DraftTree: the first message must be `start`")
+        start = first.start
+        propose = start.propose
+        self.sweeper.touch(propose.session_id)
+        control = GrowthControl()
+        context.add_callback(control.close)  # the orchestrator went away
+
+        def read_rest():
+            try:
+                for request in request_iterator:
+                    if request.WhichOneof("kind") == "verifying":
+                        control.verify(request.verifying)
+            except Exception:  # the call ended under us: same as a close
+                pass
+            control.close()
+
+        threading.Thread(target=read_rest, daemon=True, name="draft-tree-requests").start()
+        for step in self.drafter.grow(propose.session_id, list(propose.new_token_ids), propose.committed_length,
+                                      propose.max_nodes, control, start.provisional_max):
+            yield growth_to_pb(step)
 
     @grpc_errors
     def EndSession(self, request, context):

@@ -9,11 +9,17 @@ configured draft of the same kind).
 from __future__ import annotations
 
 import logging
+import queue
+import time
+from dataclasses import dataclass
 
 from opentelemetry import trace
 
 from orchestrator.session import LiveSession
+from orchestrator.trigger import RoundOutcome, make_trigger, tree_confidence
 from specsplit.errors import FailedPrecondition, InvalidArgument
+from specsplit.growth import GrowingTree, best_leaf
+from specsplit.provisional import reconcile_provisional
 from specsplit.rpc import DraftInfo, RpcError
 from specsplit.tree import TokenTree, union_trees
 
@@ -132,6 +138,92 @@ class DraftMixin:
         session.features = []
         return tree, draft_ms
 
+    # -- streamed trees: the verification trigger and provisional generation -----------------------------
+    def _streams_trees(self, session: LiveSession) -> bool:
+        """Greedy sessions with a model draft grow their trees on the draft and verify on the trigger."""
+        return (self.config.trigger != "budget" and session.sampling.greedy and session.draft_usable()
+                and self._drafter_name(session) == "model")
+
+    def _tree_round(self, session: LiveSession, remaining: int, verify) -> "TreeRound":
+        """One round: stream the draft's growing tree until the trigger fires, verify it while the draft goes
+        on provisionally from the best branch's leaf, then end the draft's round.
+
+        verify(tree) -> (verdict, timing) is the verifier call (it may fail over; it raises on failure).
+        """
+        if session.trigger is None:
+            session.trigger = make_trigger(self.config.trigger, self.config.fixed_tree_nodes)
+        trigger = session.trigger
+        if session.state.draft_down_until:  # the draft failed earlier and its pause is over: start it again
+            session.draft = self._draft_replica_after(session.draft)
+            self._start_draft(session)
+        max_nodes = 0 if session.state.draft_down_until else min(self._max_nodes(session.draft), self.config.tree_max_nodes, max(remaining - 1, 0))
+        started = time.perf_counter()
+        tree = GrowingTree()
+        steps = seeded = 0
+        step_ms = 0.0  # draft forward time as the draft measured it (no waiting, no network)
+        stream = None
+        if max_nodes > 0:
+            try:
+                stream = session.draft.draft_tree(session.id, session.unsent, len(session.token_ids), max_nodes,
+                                                  self.config.provisional_max,
+                                                  timeout=self.config.verify_timeout_s + self.config.draft_timeout_s)
+                session.unsent = []
+                # The first step may wait for the previous round's last forward and catch up on many tokens.
+                timeout = self.config.draft_timeout_s * 5
+                while True:
+                    step = stream.next(timeout=timeout)
+                    timeout = self.config.draft_timeout_s
+                    if step is None or step.provisional:
+                        break
+                    live = [tree.add(p, t, q) for p, t, q in zip(step.parents, step.token_ids, step.draft_probs)]
+                    seeded += step.seeded
+                    if live and not step.seeded and step.first > 0:  # a tree forward (the root's children
+                        steps += 1                                   # come from the catch-up forward)
+                        step_ms += step.draft_ms
+                    if step.done or len(tree) >= max_nodes or \
+                            trigger.should_verify(tree_confidence(tree.confidence, live), len(tree)):
+                        break
+            except (RpcError, queue.Empty) as err:
+                if stream is not None:
+                    stream.close()
+                stream = None
+                tree = GrowingTree()
+                self._draft_failed(session, err if isinstance(err, RpcError) else "DEADLINE_EXCEEDED")
+        draft_ms = (time.perf_counter() - started) * 1e3
+        if stream is not None:
+            stream.verifying(len(tree))  # growth stops; provisional drafting starts under the verification
+            if not self.config.provisional_max:
+                stream.close()
+        token_tree = TokenTree(tuple(tree.token_ids), tuple(tree.parents), tuple(tree.draft_probs))
+        try:
+            verdict, timing = verify(token_tree)
+        finally:
+            if stream is not None:
+                stream.close()  # the draft stops after its current forward
+        round_ms = (time.perf_counter() - started) * 1e3
+        committed = list(verdict.committed_token_ids)
+        accepted = len(verdict.accepted_nodes)
+        provisional = []
+        try:
+            provisional = [t for s in (stream.ready() if stream is not None else []) if s.provisional for t in s.token_ids]
+        except RpcError:
+            pass
+        leaf = best_leaf(tree)
+        path = tree.path_to(leaf) if leaf >= 0 else []
+        kept = reconcile_provisional(committed, [tree.token_ids[n] for n in path] + provisional)
+        if accepted:
+            branch = tree.path_to(verdict.accepted_nodes[-1])
+            below = [n for n in range(len(tree)) if branch[-1] in tree.path_to(n)]
+            branch = tree.path_to(max(below, key=lambda n: len(tree.path_to(n))))
+        else:
+            branch = path
+        trigger.observe(RoundOutcome(
+            num_drafted=len(branch), num_accepted=accepted,
+            confidences=tuple(tree.confidence[n] for n in branch), committed=len(committed), round_ms=round_ms,
+            draft_steps=steps, draft_ms=step_ms))
+        wasted = len(tree) - accepted + len(provisional) - min(len(kept), len(provisional))
+        return TreeRound(token_tree, draft_ms if len(tree) else None, verdict, timing, wasted, seeded)
+
     def _draft_replica_after(self, draft):
         """The next draft service of the same kind (a replica; any kind if this one's is unknown), in order."""
         if len(self.drafts) < 2:
@@ -159,3 +251,13 @@ def _is_refusal(err) -> bool:
     import grpc
 
     return hasattr(err, "code") and err.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
+
+
+@dataclass(frozen=True)
+class TreeRound:
+    tree: TokenTree  # what was verified
+    draft_ms: float | None  # drafting until the trigger (None: nothing drafted)
+    verdict: object  # specsplit.accept.Verdict
+    timing: object  # specsplit.rpc.VerifyTiming
+    wasted: int  # drafted tokens not committed: off the accepted path, and provisional ones dropped
+    provisional_kept: int  # tree nodes seeded by last round's provisional tokens

@@ -290,16 +290,27 @@ class Orchestrator(DraftMixin):
             with tracer.start_as_current_span("specsplit.orchestrator.round") as span:
                 state.rounds += 1
                 span.set_attribute("specsplit.round", state.rounds)
-                budget = session.controller.choose(remaining - 1) if session.draft_usable() else 0
-                tree, draft_ms = self._propose(session, budget)
-                reply = self.placement.verify(session, tree, remaining)
-                verdict, timing = reply.verdict, reply.timing
+                wasted = kept_provisional = 0
+                if self._streams_trees(session):
+                    def verify(t):
+                        reply = self.placement.verify(session, t, remaining)
+                        return reply.verdict, reply.timing
+
+                    done = self._tree_round(session, remaining, verify)
+                    tree, draft_ms, verdict, timing = done.tree, done.draft_ms, done.verdict, done.timing
+                    wasted, kept_provisional = done.wasted, done.provisional_kept
+                else:
+                    budget = session.controller.choose(remaining - 1) if session.draft_usable() else 0
+                    tree, draft_ms = self._propose(session, budget)
+                    reply = self.placement.verify(session, tree, remaining)
+                    verdict, timing = reply.verdict, reply.timing
+                    wasted = len(tree) - len(verdict.accepted_nodes)
+                    # The tree's real cost is its share of the verifier's batched forward: under load the fixed
+                    # cost of a forward is shared by many sessions, drafted tokens are relatively dearer, and the
+                    # controller drafts less (an older verifier reports no share: use its time).
+                    session.controller.observe(len(tree), len(verdict.accepted_nodes), _branch_depth(tree, verdict),
+                                               timing.cost_ms or timing.verify_ms, draft_ms if tree else None)
                 committed = list(verdict.committed_token_ids)
-                # The tree's real cost is its share of the verifier's batched forward: under load the fixed
-                # cost of a forward is shared by many sessions, drafted tokens are relatively dearer, and the
-                # controller drafts less (an older verifier reports no share: use its time).
-                session.controller.observe(len(tree), len(verdict.accepted_nodes), _branch_depth(tree, verdict),
-                                           timing.cost_ms or timing.verify_ms, draft_ms if tree else None)
                 span.set_attribute("specsplit.num_draft_tokens", len(tree))
                 span.set_attribute("specsplit.num_accepted", len(verdict.accepted_nodes))
                 span.set_attribute("specsplit.feature_bytes", session.feature_bytes)
@@ -328,7 +339,7 @@ class Orchestrator(DraftMixin):
                 return
             stats = RoundStats(state.rounds, len(tree), len(verdict.accepted_nodes), len(kept), draft_ms or 0.0,
                                timing.verify_ms, self._drafter_name(session) if tree else "none", tree.depth,
-                               feature_bytes)
+                               feature_bytes, wasted, kept_provisional)
             if kept or text or finish:
                 yield Chunk(text, kept, stats=stats, finish_reason=finish)
             if finish:

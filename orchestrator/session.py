@@ -33,6 +33,7 @@ class LiveSession:
     feature_bytes: int = 0  # feature bytes received since the last round's stats
     medusa: bool = False  # self-speculation: the verifier proposes the next tree (no draft service)
     proposal: TokenTree | None = None  # the verifier's Medusa tree for the next round
+    trigger: object | None = None  # the verification trigger of streamed trees (orchestrator.trigger), per session
 
     @property
     def id(self) -> str:

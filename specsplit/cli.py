@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="HOST:PORT of a running orchestrator; skips the embedded stack. Several, comma-separated "
                           "(sharing a --redis-url store): the generation resumes on another one if one fails")
     _model_flags(gen)
+    _tree_flags(gen)
 
     serve = sub.add_parser("serve", help="run one service until interrupted",
                            description="Run one service. Addresses come from flags or SPECSPLIT_* variables.")
@@ -110,7 +111,36 @@ def build_parser() -> argparse.ArgumentParser:
                        help="verifier: how long a batch waits at most for its other active sessions (default 40)")
     serve.add_argument("--max-batch-tokens", type=int, default=512, help="verifier: tokens per batch (default 512)")
     _model_flags(serve)
+    _tree_flags(serve)
     return parser
+
+
+def _tree_flags(parser: argparse.ArgumentParser) -> None:
+    from specsplit.config import OrchestratorConfig
+
+    d = OrchestratorConfig()
+    group = parser.add_argument_group(
+        "streamed trees (orchestrator; greedy requests with a model draft)",
+        "The draft streams a width-adaptive tree as it grows; the orchestrator sends it for verification when "
+        "the tree's confidence falls below a threshold alpha, and the draft keeps drafting from the best "
+        "branch while it is verified (provisional tokens; kept when they continue the committed text).")
+    group.add_argument("--trigger", choices=["goodput", "edgellm", "fixed", "budget"], default=d.trigger,
+                       help=f"when to verify (default {d.trigger}): goodput = alpha from measured draft/verify/network "
+                            "costs; edgellm = EdgeLLM's alpha rule; fixed = at --fixed-tree-nodes; budget = the "
+                            "per-round node budget of non-streamed trees (Propose)")
+    group.add_argument("--fixed-tree-nodes", type=int, default=d.fixed_tree_nodes,
+                       help=f"--trigger fixed: tree size (default {d.fixed_tree_nodes})")
+    group.add_argument("--tree-max-nodes", type=int, default=d.tree_max_nodes,
+                       help=f"largest streamed tree (default {d.tree_max_nodes})")
+    group.add_argument("--provisional-max", type=int, default=d.provisional_max,
+                       help=f"provisional tokens drafted during a verification (default {d.provisional_max}; 0: off)")
+
+
+def _tree_config(args):
+    from specsplit.config import OrchestratorConfig
+
+    return OrchestratorConfig(trigger=args.trigger, fixed_tree_nodes=args.fixed_tree_nodes,
+                              tree_max_nodes=args.tree_max_nodes, provisional_max=args.provisional_max)
 
 
 def _model_flags(parser: argparse.ArgumentParser) -> None:
@@ -175,12 +205,12 @@ def generate(args) -> int:
             medusa = load_medusa(args.medusa, target)
         proposers = default_proposers(args.draft, args.draft_model, args.device, args.dtype,
                                       artifact=args.draft_artifact, target=target, target_model=args.target_model)
-        stack = start_stack(target, proposers, medusa=medusa)
+        stack = start_stack(target, proposers, medusa=medusa, orchestrator_config=_tree_config(args))
         address = stack.address
     token_ids: list[int] = []
     prompt_ids: list[int] = []
     text_parts: list[str] = []
-    rounds = accepted = drafted = feature_bytes = 0
+    rounds = accepted = drafted = feature_bytes = wasted = kept = 0
     finish = ""
     try:
         addresses = _addresses(address)
@@ -199,6 +229,8 @@ def generate(args) -> int:
                     accepted += chunk.stats.num_accepted
                     drafted += chunk.stats.num_draft_tokens
                     feature_bytes += chunk.stats.feature_bytes
+                    wasted += chunk.stats.wasted
+                    kept += chunk.stats.provisional_kept
                 finish = chunk.finish_reason or finish
                 if not args.json and chunk.text:
                     print(chunk.text, end="", flush=True)
@@ -222,6 +254,9 @@ def generate(args) -> int:
         "finish_reason": finish,
         "feature_bytes": feature_bytes,  # target features sent verifier -> orchestrator -> draft (eagle)
         "feature_bytes_per_round": feature_bytes / rounds if rounds else 0.0,
+        "verifications": rounds,  # one verification per round
+        "wasted_draft_tokens": wasted,
+        "provisional_kept": kept,
     }
     if args.json:
         print(json.dumps(result))
@@ -268,7 +303,7 @@ def serve(args) -> int:
         if isinstance(store, RedisStore):
             store.retry_s = args.store_retry_s
         server = launch.start_orchestrator(verifiers, _addresses(args.drafts), launch.load_tokenizer(args.target_model),
-                                           args.listen, OrchestratorConfig(), store)
+                                           args.listen, _tree_config(args), store)
     print(f"specsplit {args.service} serving on {server.address}", file=sys.stderr, flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -38,6 +38,11 @@ class DraftConfig:
     ngram_branches: int = 3  # distinct continuations offered as branches of one tree
     model_top_k: int = 2  # children per expanded node in the model drafter's tree
     model_depth: int = 6  # draft forwards per tree
+    # Width-adaptive trees (DraftTree): see draft_service/growth.py
+    branch_threshold: float = 0.3  # LLMCad: a candidate above 0.3 opens a new branch
+    grow_width: int = 4  # frontier nodes expanded per draft forward
+    grow_min_relative: float = 0.05  # branches under 5% of the best one's confidence stop
+    grow_max_depth: int = 32  # draft forwards per tree at most
     q_top_k: int = 32  # a sampling draft draws from its top 32 tokens: q travels as at most 32 (id, prob) pairs
     idle_timeout_s: float = 300.0  # a session untouched this long lost its orchestrator: forget it
 
@@ -55,6 +60,14 @@ class OrchestratorConfig:
     offload_min_tokens: int = 256  # below this, re-prefill is about as fast as a restore: not worth the bytes
     offload_dtype: str = ""  # "" keeps the cache's dtype (token-identical); "float16" halves an fp32 blob
     max_streams: int = 256  # concurrent Generate streams (each holds a server thread); matches the verifier's sessions
+    # Greedy sessions with a model draft stream width-adaptive trees (DraftTree) and verify when the
+    # trigger says so; "budget" keeps the older per-round node budget (Propose). See bench/network.py.
+    # Defaults = the best geometric-mean tokens/s over RTT 0/20/50/100 in bench/results/network.md
+    # (draft = target, one shared CPU core; the adaptive triggers were within ~6%, inside that run's noise).
+    trigger: str = "fixed"  # goodput | edgellm | fixed | budget
+    fixed_tree_nodes: int = 16  # trigger "fixed": verify at this many nodes
+    tree_max_nodes: int = 48  # node budget of a streamed tree (any trigger)
+    provisional_max: int = 0  # tokens drafted from the best branch while its tree is verified; 0: off (measured best)
 
     def default_new_tokens(self) -> int:
         return min(self.default_max_new_tokens, self.max_new_tokens_limit)

@@ -3,6 +3,8 @@ domain objects (the orchestrator's view of a draft or verifier service)."""
 
 from __future__ import annotations
 
+import queue
+import threading
 from dataclasses import dataclass
 
 import grpc
@@ -14,7 +16,7 @@ from specsplit.errors import InvalidArgument
 from specsplit.features import Features
 from specsplit.sampling import SamplingParams
 from specsplit.stream import Chunk, RoundStats
-from specsplit.tree import SparseDist, TokenTree
+from specsplit.tree import GrowthStep, SparseDist, TokenTree
 from specsplit.v1 import common_pb2, draft_pb2, draft_pb2_grpc, orchestrator_pb2, verifier_pb2, verifier_pb2_grpc
 
 KV_CHUNK = 1 << 20  # an imported KV cache travels in 1 MiB pieces
@@ -57,6 +59,15 @@ def features_to_pb(features: Features) -> common_pb2.Features:
 
 def features_from_pb(msg: common_pb2.Features) -> Features:
     return Features.from_bytes(msg.data, msg.num_positions, msg.hidden_size, msg.first_position)
+def growth_to_pb(step: GrowthStep) -> draft_pb2.TreeGrowth:
+    return draft_pb2.TreeGrowth(first=step.first, token_ids=step.token_ids, parents=step.parents,
+                                draft_probs=step.draft_probs, provisional=step.provisional, done=step.done,
+                                seeded=step.seeded, draft_ms=step.draft_ms)
+
+
+def growth_from_pb(msg: draft_pb2.TreeGrowth) -> GrowthStep:
+    return GrowthStep(msg.first, tuple(msg.token_ids), tuple(msg.parents), tuple(msg.draft_probs), msg.provisional,
+                      msg.done, msg.seeded, msg.draft_ms)
 
 
 def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -135,7 +146,7 @@ def chunk_to_pb(chunk: Chunk) -> orchestrator_pb2.GenerateChunk:
         msg.stats.CopyFrom(common_pb2.RoundStats(
             round=st.round, num_draft_tokens=st.num_draft_tokens, num_accepted=st.num_accepted,
             num_committed=st.num_committed, draft_ms=st.draft_ms, verify_ms=st.verify_ms, drafter=st.drafter,
-            tree_depth=st.tree_depth, feature_bytes=st.feature_bytes))
+            tree_depth=st.tree_depth, feature_bytes=st.feature_bytes, wasted=st.wasted, provisional_kept=st.provisional_kept))
     return msg
 
 
@@ -163,7 +174,7 @@ def chunk_from_pb(msg: orchestrator_pb2.GenerateChunk) -> Chunk:
     if msg.HasField("stats"):
         st = msg.stats
         stats = RoundStats(st.round, st.num_draft_tokens, st.num_accepted, st.num_committed, st.draft_ms,
-                           st.verify_ms, st.drafter, st.tree_depth, st.feature_bytes)
+                           st.verify_ms, st.drafter, st.tree_depth, st.feature_bytes, st.wasted, st.provisional_kept)
     return Chunk(msg.text, list(msg.token_ids), stats, msg.session_id, list(msg.prompt_token_ids) or None,
                  msg.finish_reason)
 
@@ -296,11 +307,77 @@ class RemoteDraft:
         )
         return tree_from_pb(r.tree), r.draft_ms
 
+    def draft_tree(self, session_id: str, new_token_ids: list[int], committed_length: int, max_nodes: int,
+                   provisional_max: int, timeout: float) -> "TreeStream":
+        start = draft_pb2.DraftTreeStart(
+            propose=draft_pb2.ProposeRequest(session_id=session_id, new_token_ids=new_token_ids,
+                                             committed_length=committed_length, max_nodes=max_nodes),
+            provisional_max=provisional_max)
+        return TreeStream(self.stub, start, timeout)
+
     def end(self, session_id: str, timeout: float) -> None:
         self.stub.EndSession(draft_pb2.EndSessionRequest(session_id=session_id), timeout=timeout)
 
     def close(self) -> None:
         self.channel.close()
+
+
+class TreeStream:
+    """One DraftTree round seen from the orchestrator: growth steps arrive on a queue filled by a reader thread."""
+
+    _END = object()
+
+    def __init__(self, stub, start: draft_pb2.DraftTreeStart, timeout: float):
+        self._requests: queue.Queue = queue.Queue()
+        self._requests.put(draft_pb2.DraftTreeRequest(start=start))
+        self._steps: queue.Queue = queue.Queue()
+        self.ended = False
+        self._call = stub.DraftTree(iter(self._requests.get, None), timeout=timeout)
+        threading.Thread(target=self._read, daemon=True, name="draft-tree-reader").start()
+
+    def _read(self) -> None:
+        try:
+            for msg in self._call:
+                self._steps.put(growth_from_pb(msg))
+        except grpc.RpcError as err:
+            self._steps.put(err)
+        self._steps.put(self._END)
+
+    def next(self, timeout: float | None = None) -> GrowthStep | None:
+        """The next step (blocking); None when the stream ended. Raises the stream's RpcError."""
+        if self.ended:
+            return None
+        item = self._steps.get(timeout=timeout)
+        return self._item(item)
+
+    def ready(self) -> list[GrowthStep]:
+        """Steps that have already arrived (never blocks)."""
+        steps = []
+        while not self.ended:
+            try:
+                item = self._item(self._steps.get_nowait())
+            except (queue.Empty, grpc.RpcError):
+                break
+            if item is None:
+                break
+            steps.append(item)
+        return steps
+
+    def _item(self, item):
+        if item is self._END:
+            self.ended = True
+            return None
+        if isinstance(item, grpc.RpcError):
+            self.ended = True
+            raise item
+        return item
+
+    def verifying(self, num_nodes: int) -> None:
+        self._requests.put(draft_pb2.DraftTreeRequest(verifying=num_nodes))
+
+    def close(self) -> None:
+        """End the round (half-close): the draft stops after its current forward."""
+        self._requests.put(None)
 
 
 RpcError = grpc.RpcError

@@ -66,7 +66,8 @@ class _CallDetails(
     pass
 
 
-class _ClientTracing(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+class _ClientTracing(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                     grpc.StreamStreamClientInterceptor):
     """A CLIENT span per call, with the trace context injected into the call's metadata.
 
     Used instead of OpenTelemetry's channel wrapper because that one turns a server stream into a
@@ -105,6 +106,12 @@ class _ClientTracing(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInt
     def intercept_unary_stream(self, continuation, details, request):
         span, details = self._start(details)
         call = continuation(details, request)
+        call.add_done_callback(lambda c: self._end(span, c))
+        return call
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        span, details = self._start(details)
+        call = continuation(details, request_iterator)
         call.add_done_callback(lambda c: self._end(span, c))
         return call
 

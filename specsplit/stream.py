@@ -16,6 +16,8 @@ class RoundStats:
     drafter: str  # "ngram", "model", "eagle", "eagle+ngram", "medusa" or "none" (target-only round)
     tree_depth: int = 0  # depth of the verified tree
     feature_bytes: int = 0  # target features (float16) the verifier sent this round for the draft
+    wasted: int = 0  # drafted tokens that were not committed: tree nodes off the accepted path + dropped provisional
+    provisional_kept: int = 0  # tree nodes that were last round's provisional tokens (drafted under a verification)
 
 
 @dataclass(frozen=True)

@@ -200,6 +200,20 @@ def union_trees(first: TokenTree, second: TokenTree, max_nodes: int, merge: bool
 
 
 @dataclass(frozen=True)
+class GrowthStep:
+    """Nodes added by one draft forward (indices continue the tree's), as streamed to the orchestrator."""
+
+    first: int  # index of the first new node
+    token_ids: tuple[int, ...]  # [S]
+    parents: tuple[int, ...]  # [S]
+    draft_probs: tuple[float, ...]  # [S]
+    provisional: bool = False  # drafted while the tree's first nodes were being verified
+    done: bool = False  # the tree stopped growing
+    seeded: int = 0  # of these, last round's kept provisional tokens
+    draft_ms: float = 0.0
+
+
+@dataclass(frozen=True)
 class TreeBuffers:
     """What the target forward needs for a root + tree block on top of ``prefix_len`` cached tokens."""
 

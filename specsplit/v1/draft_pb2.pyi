@@ -76,3 +76,39 @@ class EndSessionRequest(_message.Message):
 class EndSessionResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class DraftTreeRequest(_message.Message):
+    __slots__ = ("start", "verifying")
+    START_FIELD_NUMBER: _ClassVar[int]
+    VERIFYING_FIELD_NUMBER: _ClassVar[int]
+    start: DraftTreeStart
+    verifying: int
+    def __init__(self, start: _Optional[_Union[DraftTreeStart, _Mapping]] = ..., verifying: _Optional[int] = ...) -> None: ...
+
+class DraftTreeStart(_message.Message):
+    __slots__ = ("propose", "provisional_max")
+    PROPOSE_FIELD_NUMBER: _ClassVar[int]
+    PROVISIONAL_MAX_FIELD_NUMBER: _ClassVar[int]
+    propose: ProposeRequest
+    provisional_max: int
+    def __init__(self, propose: _Optional[_Union[ProposeRequest, _Mapping]] = ..., provisional_max: _Optional[int] = ...) -> None: ...
+
+class TreeGrowth(_message.Message):
+    __slots__ = ("first", "token_ids", "parents", "draft_probs", "provisional", "done", "seeded", "draft_ms")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    PROVISIONAL_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    SEEDED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    first: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    draft_probs: _containers.RepeatedScalarFieldContainer[float]
+    provisional: bool
+    done: bool
+    seeded: int
+    draft_ms: float
+    def __init__(self, first: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[float]] = ..., provisional: _Optional[bool] = ..., done: _Optional[bool] = ..., seeded: _Optional[int] = ..., draft_ms: _Optional[float] = ...) -> None: ...

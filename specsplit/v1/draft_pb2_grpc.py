@@ -55,6 +55,11 @@ class DraftServiceStub:
                 request_serializer=specsplit_dot_v1_dot_draft__pb2.EndSessionRequest.SerializeToString,
                 response_deserializer=specsplit_dot_v1_dot_draft__pb2.EndSessionResponse.FromString,
                 _registered_method=True)
+        self.DraftTree = channel.stream_stream(
+                '/specsplit.v1.DraftService/DraftTree',
+                request_serializer=specsplit_dot_v1_dot_draft__pb2.DraftTreeRequest.SerializeToString,
+                response_deserializer=specsplit_dot_v1_dot_draft__pb2.TreeGrowth.FromString,
+                _registered_method=True)
 
 
 class DraftServiceServicer:
@@ -85,6 +90,18 @@ class DraftServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DraftTree(self, request_iterator, context):
+        """One round's tree, streamed as it grows (one TreeGrowth per draft forward), so the orchestrator can
+        send it for verification at any moment. The first request starts the round; a later `verifying`
+        says how many of the streamed nodes went to the verifier: growth stops there and, if
+        `provisional_max` > 0, the draft goes on drafting from the best branch's leaf among them while the
+        verifier works. Half-closing the request side ends the round (the draft stops after its current
+        forward); tokens committed next round that ran along the provisional path seed the next tree.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DraftServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +124,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
                     servicer.EndSession,
                     request_deserializer=specsplit_dot_v1_dot_draft__pb2.EndSessionRequest.FromString,
                     response_serializer=specsplit_dot_v1_dot_draft__pb2.EndSessionResponse.SerializeToString,
+            ),
+            'DraftTree': grpc.stream_stream_rpc_method_handler(
+                    servicer.DraftTree,
+                    request_deserializer=specsplit_dot_v1_dot_draft__pb2.DraftTreeRequest.FromString,
+                    response_serializer=specsplit_dot_v1_dot_draft__pb2.TreeGrowth.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -218,6 +240,33 @@ class DraftService:
             '/specsplit.v1.DraftService/EndSession',
             specsplit_dot_v1_dot_draft__pb2.EndSessionRequest.SerializeToString,
             specsplit_dot_v1_dot_draft__pb2.EndSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DraftTree(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specsplit.v1.DraftService/DraftTree',
+            specsplit_dot_v1_dot_draft__pb2.DraftTreeRequest.SerializeToString,
+            specsplit_dot_v1_dot_draft__pb2.TreeGrowth.FromString,
             options,
             channel_credentials,
             insecure,

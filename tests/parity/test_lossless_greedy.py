@@ -4,7 +4,7 @@ import pytest
 
 from draft_service.proposers import ModelProposer, NgramProposer
 from specsplit.client import Client
-from specsplit.config import DraftConfig
+from specsplit.config import DraftConfig, OrchestratorConfig
 from specsplit.launch import start_stack
 from tiny import hf_greedy, tiny_loaded
 
@@ -42,7 +42,9 @@ def test_unrelated_random_draft(target):
 def test_draft_equals_target_accepts_everything(target):
     same = tiny_loaded(seed=0, layers=2)  # same weights as the target
     depth = 5
-    with start_stack(target, [ModelProposer(same, DraftConfig(model_top_k=2, model_depth=depth))]) as stack:
+    budget = OrchestratorConfig(trigger="budget")  # the Propose path: top-k trees of model_depth (streamed: test_lossless_streamed)
+    with start_stack(target, [ModelProposer(same, DraftConfig(model_top_k=2, model_depth=depth))],
+                     orchestrator_config=budget) as stack:
         for prompt in PROMPTS:
             tokens, stats, chunks = run(stack, prompt, 48)
             assert tokens == hf_greedy(target.model, prompt, 48)

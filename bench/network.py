@@ -1,0 +1,438 @@
+"""Edge and cloud on separate hosts with a real network in between: trigger and provisional generation vs RTT.
+
+What it builds (as root): two network namespaces joined by a veth pair,
+
+    ss-edge 10.77.0.1  --veth--  ss-cloud 10.77.0.2
+    draft service(s) + this     verifier service + one delaying TCP relay per RTT
+    script's orchestrator       (bench/relay.py: RTT/2 each way; the kernel here has no tc netem)
+
+with the verifier, the draft and the orchestrator in three separate processes (``specsplit serve``
+for the services). The orchestrator reaches the verifier through the relay of the RTT under test, so
+every Prefill and Verify pays a true TCP round trip. Without root or ``ip netns`` it falls back to the
+same processes and relays on loopback and says so in its output and results.
+
+For each RTT it runs every configuration on the same prompts (greedy; every output is checked token
+by token against HF greedy of the target):
+
+    fixed-N     verify when the streamed tree has N nodes (--fixed-sizes; the best of them is "best fixed")
+    edgellm     verify when tree confidence T < alpha, EdgeLLM's alpha rule
+    goodput     verify when T < alpha, alpha from measured draft, verify and network costs
+    each with provisional generation off (+0) and on (+prov), plus one n-gram row (code-edit prompt).
+
+Results merge into <out>/network.json (one entry per RTT, so RTTs can be run one at a time) and
+<out>/network.md and <out>/network.png (tokens/s against RTT) are rewritten from all of it.
+
+    sudo python bench/network.py --rtts 0,20,50,100                   # everything (long on a CPU)
+    python bench/network.py --rtts 50 --max-new-tokens 48 --prompts chat_guitar,sum_bees
+    python bench/network.py --rtts 50 --configs goodput+prov,fixed-8+0   # a subset
+    python bench/network.py --report-only                             # redraw md/png from the json
+
+The draft is the target itself (--draft-model, default the target's cache directory): a
+full-acceptance control that shows network and trigger effects, not a realistic draft cost. On a
+shared CPU pin everything to one core: --cpus 0 --threads 1 (the defaults).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see specsplit/__init__.py
+
+import argparse
+import json
+import math
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+
+EDGE_NS, CLOUD_NS = "ss-edge", "ss-cloud"
+EDGE_IP, CLOUD_IP = "10.77.0.1", "10.77.0.2"
+VERIFIER_PORT, DRAFT_PORT, NGRAM_PORT, RELAY_PORT0 = 50052, 50053, 50054, 50060
+TRIGGERS = ("edgellm", "goodput")
+
+
+# -- configurations ---------------------------------------------------------------------------------
+def all_configs(fixed_sizes: list[int]) -> list[str]:
+    names = [f"fixed-{n}" for n in fixed_sizes] + list(TRIGGERS)
+    return [f"{n}+{p}" for n in names for p in ("0", "prov")] + ["ngram"]
+
+
+def orchestrator_config(name: str, provisional_max: int, draft_timeout_s: float):
+    from specsplit.config import OrchestratorConfig
+
+    # A shared, overloaded CPU can make one draft forward take seconds: a longer draft timeout than the
+    # service default keeps such stalls from turning into target-only rounds (counted as target_only_rounds).
+    if name == "ngram":
+        return OrchestratorConfig(trigger="budget", draft_timeout_s=draft_timeout_s)
+    base, prov = name.split("+")
+    provisional = provisional_max if prov == "prov" else 0
+    if base.startswith("fixed-"):
+        return OrchestratorConfig(trigger="fixed", fixed_tree_nodes=int(base[6:]), provisional_max=provisional,
+                                  draft_timeout_s=draft_timeout_s)
+    return OrchestratorConfig(trigger=base, provisional_max=provisional, draft_timeout_s=draft_timeout_s)
+
+
+# -- hosts --------------------------------------------------------------------------------------------
+def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+def make_namespaces() -> bool:
+    """Two namespaces and a veth pair; False (after cleaning up) where that is not possible."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return False
+    delete_namespaces()
+    try:
+        sh("ip", "netns", "add", EDGE_NS)
+        sh("ip", "netns", "add", CLOUD_NS)
+        sh("ip", "link", "add", "ss-veth-e", "type", "veth", "peer", "name", "ss-veth-c")
+        sh("ip", "link", "set", "ss-veth-e", "netns", EDGE_NS)
+        sh("ip", "link", "set", "ss-veth-c", "netns", CLOUD_NS)
+        for ns, dev, ip in ((EDGE_NS, "ss-veth-e", EDGE_IP), (CLOUD_NS, "ss-veth-c", CLOUD_IP)):
+            sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
+            sh("ip", "-n", ns, "link", "set", dev, "up")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+        probe = (f"import socket\ntry: socket.create_connection(('{CLOUD_IP}', 9), timeout=3)\n"
+                 "except ConnectionRefusedError: pass")  # refused = the cloud host answered
+        sh("ip", "netns", "exec", EDGE_NS, sys.executable, "-c", probe)
+        return True
+    except (subprocess.CalledProcessError, FileNotFoundError) as err:
+        print(f"network namespaces unavailable ({err}); falling back to loopback", file=sys.stderr)
+        delete_namespaces()
+        return False
+
+
+def delete_namespaces() -> None:
+    for ns in (EDGE_NS, CLOUD_NS):
+        sh("ip", "netns", "del", ns, check=False)  # deleting a namespace deletes its veth end (and the pair)
+
+
+class Hosts:
+    """Where each process runs: a namespace (ip netns exec) or, in the fallback, this host's loopback."""
+
+    def __init__(self, netns: bool, cpus: str, logdir: pathlib.Path):
+        self.netns, self.cpus, self.logdir = netns, cpus, logdir
+        self.edge_ip, self.cloud_ip = (EDGE_IP, CLOUD_IP) if netns else ("127.0.0.1", "127.0.0.1")
+        self.procs: list[subprocess.Popen] = []
+
+    def prefix(self, ns: str) -> list[str]:
+        pin = ["taskset", "-c", self.cpus] if self.cpus and shutil.which("taskset") else []
+        return (["ip", "netns", "exec", ns] if self.netns else []) + pin
+
+    def start(self, ns: str, name: str, args: list[str], ready: str, timeout_s: float = 180.0) -> subprocess.Popen:
+        log = open(self.logdir / f"{name}.log", "w")
+        proc = subprocess.Popen(self.prefix(ns) + args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        self.procs.append(proc)
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            text = (self.logdir / f"{name}.log").read_text()
+            if ready in text:
+                return proc
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited: {text[-2000:]}")
+            time.sleep(0.2)
+        raise RuntimeError(f"{name} not ready after {timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+# -- the driver (orchestrator + client, on the edge) ------------------------------------------------
+def load_prompts(ids: list[str]) -> list[dict]:
+    by_id = {p["id"]: p for p in map(json.loads, (HERE / "prompts.jsonl").read_text().splitlines())}
+    return [by_id[i] for i in ids]
+
+
+def drive(args) -> None:
+    """Runs inside the edge host: HF greedy references, then every configuration at every RTT."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from orchestrator.generation import GenerationRequest, Orchestrator
+    from specsplit.models import load_model
+    from specsplit.rpc import RemoteDraft, RemoteVerifier
+
+    target = load_model(args.target_model, "cpu", "float32")
+    tokenizer = target.tokenizer
+    prompts = load_prompts(args.prompts.split(","))
+    code = load_prompts([args.code_prompt])[0]
+
+    def ids_of(p):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}], add_generation_prompt=True,
+                                            tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    references = {}
+    for p in prompts + [code]:
+        ids = ids_of(p)
+        with torch.no_grad():
+            out = target.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=args.max_new_tokens,
+                                        attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+        references[p["id"]] = (ids, out[0, len(ids):].tolist())
+    del target
+
+    verifiers = json.loads(args.verifier_for_rtt)
+    results = []
+    for rtt in args.rtts:
+        # Configurations take turns prompt by prompt, so a change in the machine's load hits them alike.
+        orchs, runs = {}, {name: [] for name in args.config_list}
+        for name in args.config_list:
+            config = orchestrator_config(name, args.provisional_max, args.draft_timeout)
+            draft_address = args.ngram if name == "ngram" else args.draft
+            orch = Orchestrator([RemoteVerifier(verifiers[str(rtt)])], [RemoteDraft(draft_address)], tokenizer, config)
+            orch.verifier_info  # connect (TCP + HTTP/2 setup through the relay) before timing
+            orch.pick_draft("ngram" if name == "ngram" else "model")
+            orchs[name] = orch
+        for i, p in enumerate(prompts):
+            order = args.config_list[i % len(args.config_list):] + args.config_list[:i % len(args.config_list)]
+            for name in order:
+                if name == "ngram" and i > 0:
+                    continue  # one code-edit prompt for the n-gram row
+                prompt = code if name == "ngram" else p
+                prompt_ids, expected = references[prompt["id"]]
+                request = GenerationRequest(prompt_token_ids=prompt_ids, max_new_tokens=args.max_new_tokens,
+                                            draft="ngram" if name == "ngram" else "model")
+                start = time.perf_counter()
+                chunks = list(orchs[name].generate(request))
+                elapsed = time.perf_counter() - start
+                stats = [c.stats for c in chunks if c.stats is not None]
+                tokens = [t for c in chunks for t in c.token_ids]
+                runs[name].append({
+                    "prompt": prompt["id"], "tokens": len(tokens), "seconds": elapsed, "rounds": len(stats),
+                    "drafted": sum(s.num_draft_tokens for s in stats), "accepted": sum(s.num_accepted for s in stats),
+                    "wasted": sum(s.wasted for s in stats), "provisional_kept": sum(s.provisional_kept for s in stats),
+                    "identical": tokens == expected,
+                    "target_only_rounds": sum(s.drafter == "none" for s in stats),  # draft fallbacks (timeouts)
+                })
+        for name in args.config_list:
+            orchs[name].close()
+            row = summarize(rtt, name, runs[name])
+            results.append(row)
+            print(f"RTT {rtt:>3} ms  {name:<14} {row['tokens_per_s']:6.2f} tok/s  tau {row['tau']:5.2f}  "
+                  f"verif/100 {row['verifications_per_100']:5.1f}  wasted {row['wasted']:4d}  "
+                  f"kept {row['provisional_kept']:3d}  target-only rounds {row['target_only_rounds']}  "
+                  f"identical {row['identical']}", flush=True)
+    pathlib.Path(args.driver_out).write_text(json.dumps(results))
+
+
+def summarize(rtt: int, name: str, runs: list[dict]) -> dict:
+    tokens = sum(r["tokens"] for r in runs)
+    seconds = sum(r["seconds"] for r in runs)
+    rounds = sum(r["rounds"] for r in runs)
+    return {
+        "rtt_ms": rtt, "config": name, "tokens": tokens, "seconds": seconds,
+        "tokens_per_s": tokens / seconds if seconds else 0.0,
+        "tau": tokens / rounds if rounds else 0.0,
+        "verifications_per_100": 100.0 * rounds / tokens if tokens else 0.0,
+        "wasted": sum(r["wasted"] for r in runs), "provisional_kept": sum(r["provisional_kept"] for r in runs),
+        "identical": all(r["identical"] for r in runs),
+        "target_only_rounds": sum(r.get("target_only_rounds", 0) for r in runs), "runs": runs,
+    }
+
+
+# -- report ---------------------------------------------------------------------------------------------
+def best_fixed(rows: list[dict], suffix: str) -> dict | None:
+    fixed = [r for r in rows if r["config"].startswith("fixed-") and r["config"].endswith(suffix)]
+    return max(fixed, key=lambda r: r["tokens_per_s"], default=None)
+
+
+def report(data: dict, out: pathlib.Path) -> str:
+    rows = data["rows"]
+    rtts = sorted({r["rtt_ms"] for r in rows})
+    lines = ["# Edge-cloud network benchmark", "", data.get("conditions", ""), ""]
+    for rtt in rtts:
+        at = [r for r in rows if r["rtt_ms"] == rtt]
+        lines += [f"## RTT {rtt} ms ({at[0].get('network', data.get('network', ''))})", "",
+                  "| config | provisional | tokens/s | tau | verifications / 100 tok | wasted draft tokens | provisional kept | identical to HF |",
+                  "|---|---|--:|--:|--:|--:|--:|---|"]
+        for r in at:
+            base, _, prov = r["config"].partition("+")
+            lines.append(f"| {base} | {'on' if prov == 'prov' else ('-' if not prov else 'off')} | {r['tokens_per_s']:.2f} | "
+                         f"{r['tau']:.2f} | {r['verifications_per_100']:.1f} | {r['wasted']} | {r['provisional_kept']} | "
+                         f"{'yes' if r['identical'] else 'NO'} |")
+        lines.append("")
+        for suffix in ("+0", "+prov"):
+            fixed = best_fixed(at, suffix)
+            if fixed is None:
+                continue
+            for trig in TRIGGERS:
+                adaptive = next((r for r in at if r["config"] == trig + suffix), None)
+                if adaptive:
+                    lines.append(f"- {trig}{suffix} vs best fixed ({fixed['config']}): "
+                                 f"{adaptive['tokens_per_s'] / fixed['tokens_per_s']:.2f}x")
+        for base in [f"fixed-{n}" for n in (4, 8, 16, 32)] + list(TRIGGERS):
+            off = next((r for r in at if r["config"] == base + "+0"), None)
+            on = next((r for r in at if r["config"] == base + "+prov"), None)
+            if off and on:
+                lines.append(f"- provisional generation, {base}: {on['tokens_per_s'] / off['tokens_per_s']:.2f}x tokens/s")
+        lines.append("")
+    zero = {r["config"]: r for r in rows if r["rtt_ms"] == 0}
+    if zero:
+        lines += ["## Tokens/s kept relative to RTT 0", "", "| config | " + " | ".join(f"RTT {t}" for t in rtts) + " |",
+                  "|---|" + "--:|" * len(rtts)]
+        for name in zero:
+            cells = []
+            for rtt in rtts:
+                r = next((x for x in rows if x["rtt_ms"] == rtt and x["config"] == name), None)
+                cells.append(f"{r['tokens_per_s'] / zero[name]['tokens_per_s']:.0%}" if r else "-")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("")
+    names = sorted({r["config"] for r in rows if r["config"] != "ngram"})
+    complete = [n for n in names if all(any(r["config"] == n and r["rtt_ms"] == t for r in rows) for t in rtts)]
+    if complete:
+        def geomean(name):
+            vals = [next(r for r in rows if r["config"] == name and r["rtt_ms"] == t)["tokens_per_s"] for t in rtts]
+            return math.exp(sum(math.log(v) for v in vals) / len(vals))
+
+        ranked = sorted(complete, key=geomean, reverse=True)
+        lines += ["## Geometric mean tokens/s over all RTTs (the default is chosen from this)", "",
+                  "| config | geomean tokens/s |", "|---|--:|"]
+        lines += [f"| {n} | {geomean(n):.2f} |" for n in ranked]
+        lines.append("")
+    text = "\n".join(lines)
+    (out / "network.md").write_text(text + "\n")
+    plot(rows, out / "network.png")
+    return text
+
+
+def plot(rows: list[dict], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = []
+    for r in rows:
+        if r["config"] not in names:
+            names.append(r["config"])
+    for name in names:
+        pts = sorted((r["rtt_ms"], r["tokens_per_s"]) for r in rows if r["config"] == name)
+        style = "-" if name.endswith("+prov") else ("--" if name.endswith("+0") else ":")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=name)
+    ax.set_xlabel("RTT between edge and cloud (ms)")
+    ax.set_ylabel("tokens/s")
+    ax.set_title("specsplit across a delayed network (draft = target, greedy)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# -- main -----------------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rtts", default="0,20,50,100", help="round-trip delays to run, ms (default 0,20,50,100)")
+    parser.add_argument("--prompts", default="chat_guitar,sum_bees", help="prompt ids from bench/prompts.jsonl")
+    parser.add_argument("--code-prompt", default="code_rename", help="the n-gram row's code-edit prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens per generation (default 48)")
+    parser.add_argument("--fixed-sizes", default="4,8,16", help="fixed tree sizes to compare (default 4,8,16)")
+    parser.add_argument("--configs", default="", help="comma-separated subset of the configurations (default all)")
+    parser.add_argument("--provisional-max", type=int, default=16, help="provisional tokens per verification (default 16)")
+    parser.add_argument("--draft-timeout", type=float, default=10.0,
+                        help="orchestrator's draft timeout, s (default 10; the service default 2 is tight on a busy CPU)")
+    parser.add_argument("--target-model", default=None, help="target (default SmolLM2-135M-Instruct)")
+    parser.add_argument("--draft-model", default=None, help="draft model dir (default: the target's own cache dir)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
+    parser.add_argument("--cpus", default="0", help="taskset CPU list for every process (default 0; '' = no pinning)")
+    parser.add_argument("--no-netns", action="store_true", help="skip namespaces: loopback relay (labelled so)")
+    parser.add_argument("--out", default=str(HERE / "results"), help="results directory (default bench/results)")
+    parser.add_argument("--report-only", action="store_true", help="rewrite network.md/png from network.json")
+    parser.add_argument("--conditions", default="", help="a line describing the machine, stored with the results")
+    # internal: the driver process inside the edge host
+    parser.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--driver-out", help=argparse.SUPPRESS)
+    parser.add_argument("--verifier-for-rtt", help=argparse.SUPPRESS)
+    parser.add_argument("--draft", help=argparse.SUPPRESS)
+    parser.add_argument("--ngram", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.rtts = [int(x) for x in args.rtts.split(",") if x]
+    sizes = [int(x) for x in args.fixed_sizes.split(",") if x]
+    args.config_list = [c for c in args.configs.split(",") if c] or all_configs(sizes)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.driver:
+        drive(args)
+        return 0
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    store = out / "network.json"
+    data = json.loads(store.read_text()) if store.exists() else {"rows": []}
+    if args.report_only:
+        print(report(data, out))
+        return 0
+
+    from specsplit.models import model_path
+
+    draft_model = args.draft_model or str(model_path(args.target_model))
+    netns = False if args.no_netns else make_namespaces()
+    network = ("network namespaces + veth, delaying TCP relay (bench/relay.py) in the cloud namespace" if netns else
+               "FALLBACK: no network namespaces; delaying TCP relay on loopback")
+    print(f"network: {network}", flush=True)
+    logdir = pathlib.Path(tempfile.mkdtemp(prefix="specsplit-network-"))
+    hosts = Hosts(netns, args.cpus, logdir)
+    py = sys.executable
+    serve = [py, "-m", "specsplit.cli", "serve"]
+    common = ["--threads", str(args.threads), "--device", "cpu"]
+    try:
+        model_args = ["--target-model", args.target_model] if args.target_model else []
+        hosts.start(CLOUD_NS, "verifier", serve + ["verifier", "--listen", f"{hosts.cloud_ip}:{VERIFIER_PORT}",
+                                                  "--max-batch", "1", *model_args, *common], "serving on")
+        verifiers = {}
+        for i, rtt in enumerate(args.rtts):
+            port = RELAY_PORT0 + i
+            hosts.start(CLOUD_NS, f"relay-{rtt}", [py, str(HERE / "relay.py"), "--listen", f"{hosts.cloud_ip}:{port}",
+                                                   "--upstream", f"{hosts.cloud_ip}:{VERIFIER_PORT}",
+                                                   "--rtt-ms", str(rtt)], "relay ")
+            verifiers[str(rtt)] = f"{hosts.cloud_ip}:{port}"
+        hosts.start(EDGE_NS, "draft", serve + ["draft", "--listen", f"{hosts.edge_ip}:{DRAFT_PORT}", "--draft", "model",
+                                              "--draft-model", draft_model, *common], "serving on")
+        hosts.start(EDGE_NS, "ngram", serve + ["draft", "--listen", f"{hosts.edge_ip}:{NGRAM_PORT}", "--draft", "ngram",
+                                              *common], "serving on")
+        driver_out = logdir / "driver.json"
+        cmd = hosts.prefix(EDGE_NS) + [
+            py, str(HERE / "network.py"), "--driver", "--driver-out", str(driver_out),
+            "--verifier-for-rtt", json.dumps(verifiers), "--draft", f"{hosts.edge_ip}:{DRAFT_PORT}",
+            "--ngram", f"{hosts.edge_ip}:{NGRAM_PORT}", "--rtts", ",".join(map(str, args.rtts)),
+            "--prompts", args.prompts, "--code-prompt", args.code_prompt, "--max-new-tokens", str(args.max_new_tokens),
+            "--configs", ",".join(args.config_list), "--provisional-max", str(args.provisional_max),
+            "--threads", str(args.threads), "--draft-timeout", str(args.draft_timeout)] + (["--target-model", args.target_model] if args.target_model else [])
+        subprocess.run(cmd, check=True, cwd=ROOT)
+        rows = json.loads(driver_out.read_text())
+    finally:
+        hosts.stop()
+        if netns:
+            delete_namespaces()
+    for r in rows:
+        r["network"] = network
+    done = {(r["rtt_ms"], r["config"]) for r in rows}
+    data["rows"] = [r for r in data["rows"] if (r["rtt_ms"], r["config"]) not in done] + rows
+    data["rows"].sort(key=lambda r: (r["rtt_ms"], r["config"]))
+    if args.conditions:
+        data["conditions"] = args.conditions
+    store.write_text(json.dumps(data, indent=1) + "\n")
+    print(report(data, out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

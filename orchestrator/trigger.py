@@ -1,0 +1,129 @@
+"""When to stop drafting and send the tree for verification: the tree-confidence trigger and its α rules.
+
+The draft streams its tree as it grows; after every draft forward the orchestrator computes the
+tree-cumulative confidence T = max over the live branches (those the last forward extended) of the
+branch confidence (product of the draft's probabilities along the branch) and verifies once T < α.
+How α moves is the policy:
+
+- ``EdgeLLMThreshold`` (LLMCad/EdgeLLM): α starts at 0.01; after a verification with N_all drafted
+  tokens on the best-matching branch, N_correct of them accepted: all correct → α ← α/2, else
+  α ← (N_all − N_correct) / N_all.
+- ``GoodputThreshold``: the chance that a branch of confidence T is accepted whole is modelled as
+  T^γ, with γ fitted to outcomes (Σ c_i^γ over the followed branch's node confidences = tokens
+  accepted; γ < 1: the draft is better than its probabilities say, γ > 1: worse). One more draft forward
+  on the best branch gains about T^γ expected tokens for ``step_ms``; it pays while that beats the
+  committed tokens per ms the session achieves (round time measured end to end, so network round trips
+  and verify forwards are in it). So α = (rate · step_ms)^(1/γ): a slow network or verifier lowers the
+  rate, and trees grow deeper.
+- ``FixedSize``: verify once the tree has ``size`` nodes (the comparison baseline).
+
+All three are pure and driven by ``observe(RoundOutcome)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ALPHA_MIN = 1e-6  # α never reaches 0 (then T < α could never fire and only the node budget would)
+
+
+def tree_confidence(confidence: list[float], live: list[int]) -> float:
+    """T = max branch confidence over the live branches' leaves (``live``: node indices); 1.0 for no nodes."""
+    return max((confidence[n] for n in live), default=1.0)
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    num_drafted: int  # N_all: drafted tokens on the branch acceptance followed (the deepest when none accepted)
+    num_accepted: int  # N_correct: of those, accepted
+    confidences: tuple[float, ...]  # [N_all] branch confidence at each node of that branch, root down
+    committed: int  # tokens committed this round (accepted + recovered/bonus)
+    round_ms: float  # wall time of the round at the orchestrator: drafting until the trigger + verify incl. network
+    draft_steps: int  # draft forwards until the trigger
+    draft_ms: float  # draft forward time until the trigger, as the draft measured it
+
+
+@dataclass
+class FixedSize:
+    size: int = 16
+    alpha: float = 0.0  # not used: kept so every trigger reports an α
+
+    def should_verify(self, confidence: float, num_nodes: int) -> bool:
+        return num_nodes >= self.size
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        pass
+
+
+@dataclass
+class EdgeLLMThreshold:
+    alpha: float = 0.01  # the paper's starting value
+
+    def should_verify(self, confidence: float, num_nodes: int) -> bool:
+        return confidence < self.alpha
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        n_all, n_correct = outcome.num_drafted, outcome.num_accepted
+        if n_all <= 0:
+            return
+        if n_correct >= n_all:
+            self.alpha = max(self.alpha / 2, ALPHA_MIN)
+        else:
+            self.alpha = max((n_all - n_correct) / n_all, ALPHA_MIN)
+
+
+@dataclass
+class GoodputThreshold:
+    alpha: float = 0.01  # before any measurement: EdgeLLM's start
+    ema: float = 0.3  # weight of a new measurement
+    rate: float = 0.0  # committed tokens per ms, decayed (0: not measured yet)
+    step_ms: float = 0.0  # one draft forward, ms, decayed
+    gamma: float = 1.0  # P(branch accepted) = confidence^gamma, decayed fit
+    gamma_range: tuple[float, float] = (0.02, 8.0)
+
+    def should_verify(self, confidence: float, num_nodes: int) -> bool:
+        return confidence < self.alpha
+
+    def observe(self, outcome: RoundOutcome) -> None:
+        if outcome.round_ms > 0 and outcome.committed > 0:
+            self.rate = self._mix(self.rate, outcome.committed / outcome.round_ms)
+        if outcome.draft_steps > 0 and outcome.draft_ms > 0:
+            self.step_ms = self._mix(self.step_ms, outcome.draft_ms / outcome.draft_steps)
+        if outcome.confidences:
+            fit = fit_gamma(outcome.confidences, outcome.num_accepted, self.gamma_range)
+            self.gamma = (1 - self.ema) * self.gamma + self.ema * fit
+        if self.rate > 0 and self.step_ms > 0:
+            self.alpha = min(max((self.rate * self.step_ms) ** (1.0 / self.gamma), ALPHA_MIN), 1.0)
+
+    def _mix(self, old: float, new: float) -> float:
+        return new if old <= 0 else (1 - self.ema) * old + self.ema * new
+
+
+def fit_gamma(confidences: list[float], accepted: int, bounds: tuple[float, float]) -> float:
+    """γ with Σ_i confidences[i]^γ = accepted (the sum falls as γ grows), by bisection within ``bounds``."""
+    lo, hi = bounds
+
+    def expected(g: float) -> float:
+        return sum(max(c, 1e-12) ** g for c in confidences)
+
+    if expected(lo) <= accepted:
+        return lo  # even at the smallest γ the draft did better than predicted
+    if expected(hi) >= accepted:
+        return hi
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected(mid) > accepted else (lo, mid)
+    return (lo + hi) / 2
+
+
+TRIGGERS = ("goodput", "edgellm", "fixed")
+
+
+def make_trigger(kind: str, fixed_size: int = 16):
+    if kind == "goodput":
+        return GoodputThreshold()
+    if kind == "edgellm":
+        return EdgeLLMThreshold()
+    if kind == "fixed":
+        return FixedSize(fixed_size)
+    raise ValueError(f"unknown trigger {kind!r}; choose one of {', '.join(TRIGGERS)}")

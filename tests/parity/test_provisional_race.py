@@ -1,0 +1,111 @@
+"""Provisional generation on the draft: kept tokens seed the next tree (no forward, KV still right),
+dropped ones leave no trace, and a verdict arriving in the middle of a provisional forward is safe."""
+
+import threading
+
+import pytest
+
+from draft_service.drafter import GrowthControl
+from draft_service.proposers import ModelProposer
+from specsplit import kvcache
+from specsplit.config import DraftConfig
+from tiny import hf_greedy, tiny_loaded
+
+PROMPT = [258, 72, 101, 108, 108, 111]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_loaded(seed=0, layers=2)
+
+
+def chain_proposer(model):
+    # branch_threshold 1.0: chains only, so the best branch is the draft's greedy chain (draft == target here)
+    proposer = ModelProposer(model, DraftConfig(branch_threshold=1.0))
+    proposer.start("s", PROMPT)
+    return proposer
+
+
+def tokens_of(steps):
+    return [t for s in steps for t in s.token_ids]
+
+
+def whole_tree_round(proposer, committed, max_nodes):
+    """A round whose whole tree is verified (no provisional tokens)."""
+    control = GrowthControl()
+    steps = []
+    for step in proposer.grow("s", committed, max_nodes, control, provisional_max=0):
+        steps.append(step)
+        if step.done:
+            control.verify(sum(len(s.token_ids) for s in steps))
+    return steps
+
+
+def test_verdict_mid_provisional_forward_then_kept(model):
+    greedy = hf_greedy(model.model, PROMPT, 24)
+    proposer = chain_proposer(model)
+    control = GrowthControl()
+    in_forward, release = threading.Event(), threading.Event()
+    real_expand = proposer._expand
+    calls = []
+
+    def slow_expand(*args):
+        calls.append(args[-1])
+        if len(calls) == 6:  # a provisional forward (the root's children come from the catch-up forward)
+            in_forward.set()
+            release.wait(5)
+        return real_expand(*args)
+
+    proposer._expand = slow_expand
+    steps = []
+
+    def drive():
+        for step in proposer.grow("s", PROMPT, 8, control, provisional_max=10):
+            steps.append(step)
+            if not step.provisional and len(tokens_of(steps)) >= 3 and control.verifying is None:
+                control.verify(3)  # the orchestrator sends the first 3 nodes for verification
+
+    thread = threading.Thread(target=drive)
+    thread.start()
+    assert in_forward.wait(5)
+    control.close()  # the verdict arrives while the draft is inside a forward
+    release.set()
+    thread.join(5)
+    tree_steps = [s for s in steps if not s.provisional]
+    provisional = [s for s in steps if s.provisional]
+    assert tokens_of(tree_steps)[:3] == greedy[:3]
+    # The forward already running when `verifying` came gives the first provisional token; three more
+    # forwards follow, the last one in flight when the verdict arrives: its token is kept too.
+    assert [s.first for s in provisional] == [3, 4, 5, 6]  # numbering restarts after the verified nodes
+    assert tokens_of(provisional) == greedy[3:7]
+    # The verifier accepted all 3 and its bonus token is greedy[3]: the next round commits 4 tokens.
+    committed = PROMPT + greedy[:4]
+    session = proposer._sessions["s"]
+    assert session.path_tokens == greedy[:7]
+    proposer._expand = real_expand
+    steps2 = whole_tree_round(proposer, committed, 4)
+    assert steps2[0].seeded == 3 and steps2[0].token_ids == tuple(greedy[4:7])  # seeded, no forward
+    assert tokens_of([s for s in steps2 if not s.provisional]) == greedy[4:8]  # and the KV behind it is right
+
+
+def test_dropped_when_the_verdict_leaves_the_path(model):
+    greedy = hf_greedy(model.model, PROMPT, 24)
+    proposer = chain_proposer(model)
+    control = GrowthControl()
+    steps = []
+    for step in proposer.grow("s", PROMPT, 4, control, provisional_max=3):
+        steps.append(step)
+        if step.done:
+            control.verify(4)
+        if step.provisional and step.first == 6:
+            control.close()
+    assert tokens_of([s for s in steps if s.provisional]) == greedy[4:7]
+    # A different recovered token at the second position: everything after it is dropped.
+    other = (greedy[1] + 1) % 300
+    committed = PROMPT + [greedy[0], other]
+    expected = hf_greedy(model.model, committed, 4)
+    steps2 = whole_tree_round(proposer, committed, 4)
+    assert all(s.seeded == 0 for s in steps2)
+    assert tokens_of([s for s in steps2 if not s.provisional]) == expected
+    session = proposer._sessions["s"]
+    assert kvcache.cache_length(session.cache) == len(session.cached)

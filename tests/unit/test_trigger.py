@@ -1,0 +1,80 @@
+"""α rules of the verification trigger: EdgeLLM's baseline and the goodput controller."""
+
+import pytest
+
+from orchestrator.trigger import (EdgeLLMThreshold, FixedSize, GoodputThreshold, RoundOutcome, fit_gamma,
+                                  make_trigger, tree_confidence)
+
+
+def outcome(n_all, n_ok, committed=None, round_ms=100.0, steps=4, draft_ms=40.0, confidences=None):
+    conf = tuple(0.8 ** (i + 1) for i in range(n_all)) if confidences is None else tuple(confidences)
+    return RoundOutcome(n_all, n_ok, conf, n_ok + 1 if committed is None else committed, round_ms, steps, draft_ms)
+
+
+def test_edgellm_all_correct_halves_alpha():
+    t = EdgeLLMThreshold()
+    assert t.alpha == 0.01
+    t.observe(outcome(5, 5))
+    assert t.alpha == pytest.approx(0.005)
+    t.observe(outcome(3, 3))
+    assert t.alpha == pytest.approx(0.0025)
+
+
+def test_edgellm_errors_set_alpha_to_wrong_fraction():
+    t = EdgeLLMThreshold()
+    t.observe(outcome(8, 6))
+    assert t.alpha == pytest.approx(0.25)
+    t.observe(outcome(4, 0))
+    assert t.alpha == pytest.approx(1.0)
+    t.observe(outcome(0, 0))  # nothing drafted: no evidence
+    assert t.alpha == pytest.approx(1.0)
+
+
+def test_trigger_fires_below_alpha():
+    t = EdgeLLMThreshold(alpha=0.2)
+    assert not t.should_verify(0.3, 5)
+    assert t.should_verify(0.1, 5)
+    assert FixedSize(8).should_verify(1.0, 8) and not FixedSize(8).should_verify(0.0, 7)
+
+
+def test_tree_confidence_is_max_over_live_branches():
+    conf = [0.9, 0.4, 0.81, 0.2]
+    assert tree_confidence(conf, [2, 3]) == 0.81
+    assert tree_confidence(conf, []) == 1.0
+
+
+def test_goodput_alpha_is_rate_times_step_to_the_inverse_gamma():
+    t = GoodputThreshold(ema=1.0)
+    conf = [0.5, 0.25, 0.125, 0.0625]
+    t.observe(outcome(4, 2, committed=3, round_ms=150.0, steps=4, draft_ms=40.0, confidences=conf))
+    assert sum(c ** t.gamma for c in conf) == pytest.approx(2.0, rel=1e-6)
+    assert t.alpha == pytest.approx((3 / 150.0 * 10.0) ** (1 / t.gamma))
+
+
+def test_fit_gamma():
+    assert fit_gamma([0.5, 0.25], 2, (0.02, 8.0)) == 0.02  # all accepted: better than any γ in range predicts
+    assert fit_gamma([0.5, 0.25], 0, (0.02, 8.0)) == 8.0
+    assert fit_gamma([0.5, 0.25], 0.75, (0.02, 8.0)) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_goodput_drafts_deeper_on_a_slower_network():
+    fast, slow = GoodputThreshold(), GoodputThreshold()
+    for _ in range(10):
+        fast.observe(outcome(6, 4, round_ms=120.0))
+        slow.observe(outcome(6, 4, round_ms=320.0))  # same tokens, 200 ms more round trip
+    assert slow.alpha < fast.alpha  # lower α: T must fall further before verifying
+
+
+def test_goodput_trusts_a_draft_that_beats_its_confidence():
+    good, bad = GoodputThreshold(), GoodputThreshold()
+    for _ in range(10):
+        good.observe(outcome(6, 6))
+        bad.observe(outcome(6, 1))
+    assert good.gamma < 1 < bad.gamma and good.alpha < bad.alpha
+
+
+def test_make_trigger():
+    assert isinstance(make_trigger("edgellm"), EdgeLLMThreshold)
+    assert make_trigger("fixed", 12).size == 12
+    with pytest.raises(ValueError):
+        make_trigger("nope")
