@@ -109,9 +109,10 @@ class DraftMixin:
 
     def _propose_medusa(self, session: LiveSession, budget: int) -> tuple[TokenTree, float | None]:
         """The verifier's own Medusa tree (its cost is in verify_ms), merged with the n-gram lookup's tree
-        (up to half the budget, rounded up) when the session has a lookup draft: both are deterministic, so a trie union."""
+        (drafted first, up to the whole budget; Medusa's tree fills the rest) when the session has a lookup draft:
+        both are deterministic, so a trie union."""
         proposal, session.proposal = session.proposal or TokenTree.empty(), None
-        lookup, draft_ms = self._propose_draft(session, (budget + 1) // 2) if session.draft is not None else (TokenTree.empty(), None)
+        lookup, draft_ms = self._propose_draft(session, budget) if session.draft is not None else (TokenTree.empty(), None)
         tree = union_trees(lookup, proposal, max(budget, 0))
         return tree, (draft_ms or 0.0) if len(tree) else None
 
