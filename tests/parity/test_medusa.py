@@ -122,7 +122,7 @@ def test_medusa_plus_ngram_is_lossless_and_merges_the_lookup(target):
             assert all(s.drafter in ("medusa+ngram", "none") for s in stats)
 
 
-def test_auto_picks_the_shipped_artifact_with_the_best_measured_tau(tmp_path, target, monkeypatch):
+def test_auto_picks_a_shipped_artifact_only_when_it_measured_faster_than_ngram(tmp_path, target, monkeypatch):
     import verifier_service.medusa as medusa_module
     from specsplit.heads import FeatureDrafter
     from specsplit.launch import auto_draft
@@ -132,8 +132,11 @@ def test_auto_picks_the_shipped_artifact_with_the_best_measured_tau(tmp_path, ta
     identity = target_identity(target)
     heads, drafter = MedusaHeads(64, 2), FeatureDrafter.init_from_target(target.model)
     save_artifact(tmp_path / "m", heads, Manifest("medusa", "m", identity, target.fingerprint,
-                                                  heads.manifest_config(), measured={"tau": 2.0}))
+                                                  heads.manifest_config(), measured={"tau": 2.0, "speedup_vs_ngram": 0.9}))
+    assert auto_draft(target) == "ngram"  # slower than lookup alone where it was measured
+    save_artifact(tmp_path / "m", heads, Manifest("medusa", "m", identity, target.fingerprint,
+                                                  heads.manifest_config(), measured={"speedup_vs_ngram": 1.1}))
     assert auto_draft(target) == "medusa+ngram"
     save_artifact(tmp_path / "e", drafter, Manifest("eagle", "e", identity, target.fingerprint,
-                                                    drafter.manifest_config(), measured={"tau": {"chat": 2.5, "code_edit": 2.1}}))
+                                                    drafter.manifest_config(), measured={"speedup_vs_ngram": 1.2}))
     assert auto_draft(target) == "eagle+ngram"
