@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draft_service.proposers import grow_top_tree
 from specsplit.config import DraftConfig
 from specsplit.errors import InvalidArgument
 from specsplit.features import Features
@@ -108,42 +109,23 @@ class FeatureProposer:
             session.generator.manual_seed(round_seed(session.sampling.seed, committed, stream=1))
         sampled = not session.sampling.greedy
         top_k = self.config.model_top_k
-        tokens: list[int] = []
-        parents: list[int] = []
-        draft_probs: list[float] = []
-        node_q: list[SparseDist | None] = []
-        cum: list[float] = []  # [N] product of draft probs along each node's path
         predicted: dict[int, torch.Tensor] = {-1: session.last_out}  # node -> [H] feature its row predicted
-        frontier = [-1]  # nodes whose children come from the rows of `logits`
-        logits = self._logits(session.last_out[None])  # [1, V']
         tree_kv: KV | None = None  # the tree rows' K/V, [1, H_kv, T, D]
         slot: dict[int, int] = {}  # node -> its row among the tree rows
-        for depth in range(1, self.config.model_depth + 1):
-            budget = max_nodes - len(tokens)
-            if sampled:
-                candidates = self._sampled_children(session, logits, frontier, cum)[:budget]
-            else:
-                candidates = self._top_children(logits, frontier, cum, top_k)[: min(2 * top_k, budget)]
-            if not candidates:
-                break
-            new_nodes = []
-            for c, parent, token, q, dist in candidates:
-                new_nodes.append(len(tokens))
-                tokens.append(token)
-                parents.append(parent)
-                draft_probs.append(q)
-                node_q.append(dist)
-                cum.append(c)
-            if len(tokens) >= max_nodes or depth == self.config.model_depth:
-                break
-            # Expand the first candidate (the greedy chain's child when greedy) and the most probable others.
-            frontier = [new_nodes[0], *sorted(new_nodes[1:], key=lambda n: -cum[n])[: top_k - 1]]
-            tree = TokenTree(tuple(tokens), tuple(parents))
+
+        def expand(tree: TokenTree, frontier: list[int]) -> torch.Tensor:
+            nonlocal tree_kv
             out, tree_kv = self._expand(session, committed, tree, frontier, predicted, slot, tree_kv)  # [F, H]
             for row, node in enumerate(frontier):
-                predicted[node] = out[row]
-            logits = self._logits(out)  # [F, V']
-        return TokenTree(tuple(tokens), tuple(parents), tuple(draft_probs), tuple(node_q) if sampled else ())
+                predicted[node] = out[row]  # [H]
+            return self._logits(out)  # [F, V']
+
+        if sampled:
+            children = lambda logits, frontier, cum: self._sampled_children(session, logits, frontier, cum)  # noqa: E731
+        else:
+            children = lambda logits, frontier, cum: self._top_children(logits, frontier, cum, top_k)  # noqa: E731
+        return grow_top_tree(self._logits(session.last_out[None]), children, expand, max_nodes,
+                             self.config.model_depth, top_k, sampled)
 
     def _logits(self, features: torch.Tensor) -> torch.Tensor:
         """[F, H] -> [F, V'] what ``FeatureDrafter.logits`` computes, over the pre-gathered head."""

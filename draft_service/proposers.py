@@ -112,6 +112,42 @@ def _trim_to_budget(tree: TokenTree, max_nodes: int) -> TokenTree:
                      tree.node_q[:max_nodes])
 
 
+def grow_top_tree(logits: torch.Tensor, children, expand, max_nodes: int, depth: int, top_k: int,
+                  sampled: bool) -> TokenTree:
+    """A draft tree grown depth by depth, one draft forward per depth for the whole frontier.
+
+    logits: [1, V] the draft's next-token scores after the root. ``children(logits, frontier, cum)`` gives
+    the frontier's candidate children (cum_prob, parent, token, q, dist) in order; ``expand(tree, frontier)``
+    runs the frontier nodes and returns their next-token scores [F, V]. Greedy keeps at most 2 * top_k
+    candidates per depth; the first candidate (the greedy chain's child) and the top_k - 1 most probable
+    others are expanded. Sampled candidates are kept or cut as a prefix of their draws, never by value.
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    draft_probs: list[float] = []
+    node_q: list[SparseDist | None] = []
+    cum: list[float] = []  # [N] product of draft probs along each node's path
+    frontier = [-1]  # nodes whose children come from the rows of `logits`
+    for level in range(1, depth + 1):
+        budget = max_nodes - len(tokens)
+        candidates = children(logits, frontier, cum)[: budget if sampled else min(2 * top_k, budget)]
+        if not candidates:
+            break
+        new_nodes = []
+        for c, parent, token, q, dist in candidates:
+            new_nodes.append(len(tokens))
+            tokens.append(token)
+            parents.append(parent)
+            draft_probs.append(q)
+            node_q.append(dist)
+            cum.append(c)
+        if len(tokens) >= max_nodes or level == depth:
+            break
+        frontier = [new_nodes[0], *sorted(new_nodes[1:], key=lambda n: -cum[n])[: top_k - 1]]
+        logits = expand(TokenTree(tuple(tokens), tuple(parents)), frontier)  # [F, V]
+    return TokenTree(tuple(tokens), tuple(parents), tuple(draft_probs), tuple(node_q) if sampled else ())
+
+
 @dataclass
 class _ModelSession:
     cache: object  # the draft's KV cache: committed tokens only, between calls
@@ -186,37 +222,16 @@ class ModelProposer:
         committed = len(token_ids)
         sampled = not session.sampling.greedy
         top_k = self.config.model_top_k
-        tokens: list[int] = []
-        parents: list[int] = []
-        draft_probs: list[float] = []
-        node_q: list[SparseDist | None] = []
-        cum: list[float] = []  # [N] product of draft probs along each node's path
-        frontier = [-1]  # nodes whose children come from the rows of `logits`
         slot: dict[int, int] = {}  # node -> its offset in the cache after the committed tokens
-        for depth in range(1, self.config.model_depth + 1):
-            budget = max_nodes - len(tokens)
-            if sampled:
-                candidates = self._sampled_children(session, logits, frontier, cum)[:budget]
-            else:
-                candidates = self._top_children(logits, frontier, cum, top_k)[: min(2 * top_k, budget)]
-            if not candidates:
-                break
-            new_nodes = []
-            for c, parent, token, q, dist in candidates:
-                new_nodes.append(len(tokens))
-                tokens.append(token)
-                parents.append(parent)
-                draft_probs.append(q)
-                node_q.append(dist)
-                cum.append(c)
-            if len(tokens) >= max_nodes or depth == self.config.model_depth:
-                break
-            # Expand the first candidate (the greedy chain's child when greedy) and the most probable others.
-            frontier = [new_nodes[0], *sorted(new_nodes[1:], key=lambda n: -cum[n])[: top_k - 1]]
-            tree = TokenTree(tuple(tokens), tuple(parents))
-            logits = self._expand(session.cache, committed, tree, slot, frontier)
+        if sampled:
+            children = lambda logits, frontier, cum: self._sampled_children(session, logits, frontier, cum)  # noqa: E731
+        else:
+            children = lambda logits, frontier, cum: self._top_children(logits, frontier, cum, top_k)  # noqa: E731
+        tree = grow_top_tree(logits, children,
+                             lambda tree, frontier: self._expand(session.cache, committed, tree, slot, frontier),
+                             max_nodes, self.config.model_depth, top_k, sampled)
         kvcache.truncate(session.cache, committed)
-        return TokenTree(tuple(tokens), tuple(parents), tuple(draft_probs), tuple(node_q) if sampled else ())
+        return tree
 
     @property
     def growth_policy(self) -> GrowthPolicy:

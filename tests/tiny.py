@@ -89,3 +89,24 @@ def tiny_medusa(target: LoadedModel, num_heads: int = 3, seed: int = 1, top_k: i
         for block in heads.blocks:
             block.weight.normal_(0, 0.05)
     return MedusaProposer(heads.eval(), target.model.get_output_embeddings(), top_k, max_nodes, "tiny-medusa")
+
+
+PARITY_PROMPTS = [  # short, repetitive (n-gram matches), long, one token
+    [258, 72, 101, 108, 108, 111],
+    [258, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4],
+    list(range(30, 90)),
+    [42],
+]
+
+
+def generate_through(stack, prompt_ids: list[int], max_new_tokens: int, draft: str = "auto"):
+    """Generate through the stack's orchestrator over gRPC: (tokens, round stats, chunks).
+
+    A seed makes the draft budgets follow acceptance alone (no wall-clock costs), so the trees drafted
+    do not depend on how busy the machine is; greedy output does not depend on the seed at all.
+    """
+    from specsplit.client import Client
+
+    chunks = list(Client(stack.address).generate(prompt_token_ids=prompt_ids, max_new_tokens=max_new_tokens,
+                                                 draft=draft, seed=0))
+    return [t for c in chunks for t in c.token_ids], [c.stats for c in chunks if c.stats is not None], chunks

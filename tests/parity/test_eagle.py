@@ -7,21 +7,15 @@ import torch
 
 from draft_service.feature_proposer import FeatureProposer, load_feature_proposer
 from draft_service.proposers import CombinedProposer, NgramProposer
-from specsplit.client import Client
 from specsplit.config import DraftConfig
 from specsplit.errors import FailedPrecondition
 from specsplit.features import Features
 from specsplit.heads import FeatureDrafter, Manifest, save_artifact
 from specsplit.launch import start_stack
 from specsplit.models import target_identity
-from tiny import hf_greedy, tiny_eagle, tiny_loaded
+from tiny import PARITY_PROMPTS, generate_through, hf_greedy, tiny_eagle, tiny_loaded
 
-PROMPTS = [
-    [258, 72, 101, 108, 108, 111],
-    [258, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4],
-    list(range(30, 90)),
-    [42],
-]
+PROMPTS = PARITY_PROMPTS
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +24,7 @@ def target():
 
 
 def run(stack, prompt_ids, max_new_tokens, draft="auto"):
-    chunks = list(Client(stack.address).generate(prompt_token_ids=prompt_ids, max_new_tokens=max_new_tokens,
-                                                 draft=draft, seed=0))
-    return [t for c in chunks for t in c.token_ids], [c.stats for c in chunks if c.stats is not None]
+    return generate_through(stack, prompt_ids, max_new_tokens, draft)[:2]
 
 
 def test_random_feature_drafter_is_lossless(target):

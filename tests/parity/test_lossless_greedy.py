@@ -3,26 +3,15 @@
 import pytest
 
 from draft_service.proposers import ModelProposer, NgramProposer
-from specsplit.client import Client
 from specsplit.config import DraftConfig, OrchestratorConfig
 from specsplit.launch import start_stack
-from tiny import hf_greedy, tiny_loaded
+from tiny import PARITY_PROMPTS, generate_through, hf_greedy, tiny_loaded
 
-PROMPTS = [
-    [258, 72, 101, 108, 108, 111],
-    [258, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4],
-    list(range(30, 90)),
-    [42],
-]
+PROMPTS = PARITY_PROMPTS
 
 
 def run(stack, prompt_ids, max_new_tokens, draft="auto"):
-    # A seed makes the draft budgets follow acceptance alone (no wall-clock costs), so the trees drafted
-    # do not depend on how busy the machine is; greedy output does not depend on the seed at all.
-    chunks = list(Client(stack.address).generate(prompt_token_ids=prompt_ids, max_new_tokens=max_new_tokens,
-                                                 draft=draft, seed=0))
-    tokens = [t for c in chunks for t in c.token_ids]
-    return tokens, [c.stats for c in chunks if c.stats is not None], chunks
+    return generate_through(stack, prompt_ids, max_new_tokens, draft)
 
 
 @pytest.fixture(scope="module")

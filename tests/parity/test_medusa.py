@@ -4,20 +4,14 @@ import grpc
 import pytest
 import torch
 
-from specsplit.client import Client
 from specsplit.heads import Manifest, MedusaHeads, save_artifact
 from specsplit.launch import start_stack
 from specsplit.models import target_identity
 from specsplit.errors import FailedPrecondition
-from tiny import hf_greedy, tiny_loaded, tiny_medusa
+from tiny import PARITY_PROMPTS, generate_through, hf_greedy, tiny_loaded, tiny_medusa
 from verifier_service.medusa import find_artifact, load_medusa, sparse_tree_paths
 
-PROMPTS = [
-    [258, 72, 101, 108, 108, 111],
-    [258, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4],
-    list(range(30, 90)),
-    [42],
-]
+PROMPTS = PARITY_PROMPTS
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +20,7 @@ def target():
 
 
 def run(stack, prompt_ids, max_new_tokens, draft="medusa"):
-    chunks = list(Client(stack.address).generate(prompt_token_ids=prompt_ids, max_new_tokens=max_new_tokens,
-                                                 draft=draft, seed=0))
-    return [t for c in chunks for t in c.token_ids], [c.stats for c in chunks if c.stats is not None]
+    return generate_through(stack, prompt_ids, max_new_tokens, draft)[:2]
 
 
 def test_sparse_tree_is_prefix_closed_and_within_budget():
