@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft_service.proposers import grow_top_tree
+from draft_service.proposers import draft_sampling, grow_top_tree
 from specsplit.config import DraftConfig
 from specsplit.errors import InvalidArgument
 from specsplit.features import Features
@@ -70,13 +70,7 @@ class FeatureProposer:
         self._runner = ModelRunner("eagle")
 
     def start(self, session_id: str, prompt_token_ids: list[int], sampling: SamplingParams | None = None) -> None:
-        sampling = sampling or SamplingParams()
-        generator = None
-        if not sampling.greedy:
-            generator = torch.Generator()
-            generator.manual_seed(sampling.seed + 1) if sampling.seed is not None else generator.seed()
-            top_k = min(sampling.top_k or self.config.q_top_k, self.config.q_top_k)
-            sampling = SamplingParams(sampling.temperature, top_k, sampling.top_p, sampling.seed)
+        sampling, generator = draft_sampling(sampling, self.config.q_top_k)
         self._sessions[session_id] = _FeatureSession(sampling, generator)
 
     def end(self, session_id: str) -> None:

@@ -112,6 +112,18 @@ def _trim_to_budget(tree: TokenTree, max_nodes: int) -> TokenTree:
                      tree.node_q[:max_nodes])
 
 
+def draft_sampling(sampling: SamplingParams | None, q_top_k: int) -> tuple[SamplingParams, torch.Generator | None]:
+    """How a model draft samples for a session: the target's parameters with q truncated to ``q_top_k`` ids,
+    and its own generator (seeded from the session's seed when there is one); greedy: no generator."""
+    sampling = sampling or SamplingParams()
+    if sampling.greedy:
+        return sampling, None
+    generator = torch.Generator()
+    generator.manual_seed(sampling.seed + 1) if sampling.seed is not None else generator.seed()
+    top_k = min(sampling.top_k or q_top_k, q_top_k)
+    return SamplingParams(sampling.temperature, top_k, sampling.top_p, sampling.seed), generator
+
+
 def grow_top_tree(logits: torch.Tensor, children, expand, max_nodes: int, depth: int, top_k: int,
                   sampled: bool) -> TokenTree:
     """A draft tree grown depth by depth, one draft forward per depth for the whole frontier.
@@ -194,13 +206,7 @@ class ModelProposer:
         self._runner = ModelRunner("draft")
 
     def start(self, session_id: str, prompt_token_ids: list[int], sampling: SamplingParams | None = None) -> None:
-        sampling = sampling or SamplingParams()
-        generator = None
-        if not sampling.greedy:
-            generator = torch.Generator()
-            generator.manual_seed(sampling.seed + 1) if sampling.seed is not None else generator.seed()
-            top_k = min(sampling.top_k or self.config.q_top_k, self.config.q_top_k)
-            sampling = SamplingParams(sampling.temperature, top_k, sampling.top_p, sampling.seed)
+        sampling, generator = draft_sampling(sampling, self.config.q_top_k)
         self._sessions[session_id] = _ModelSession(kvcache.new_cache(self.model), [], sampling, generator)
 
     def end(self, session_id: str) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from specsplit.tree import GrowthStep
+from specsplit.tree import GrowthStep, path_to
 
 # frontier node indices (-1 = the root) -> per frontier node, candidate (token, prob) pairs, most probable first
 Expand = Callable[[list[int]], list[list[tuple[int, float]]]]
@@ -57,11 +57,7 @@ class GrowingTree:
             del values[n:]
 
     def path_to(self, node: int) -> list[int]:
-        path = []
-        while node >= 0:
-            path.append(node)
-            node = self.parents[node]
-        return path[::-1]
+        return path_to(self.parents, node)
 
 
 def children_to_add(tree: GrowingTree, frontier: list[int], candidates: list[list[tuple[int, float]]],

@@ -158,14 +158,19 @@ class TokenTree:
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to ``node``."""
-        path = []
-        while node >= 0:
-            path.append(node)
-            node = self.parents[node]
-        return path[::-1]
+        return path_to(self.parents, node)
 
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))
+
+
+def path_to(parents, node: int) -> list[int]:
+    """parents: [N] each node's parent (-1: the root) -> node indices from the root's child down to ``node``."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
 
 
 def union_trees(first: TokenTree, second: TokenTree, max_nodes: int, merge: bool = True) -> TokenTree:
