@@ -28,8 +28,9 @@ Results merge into <out>/network.json (one entry per RTT, so RTTs can be run one
     python bench/network.py --report-only                             # redraw md/png from the json
 
 The draft is the target itself (--draft-model, default the target's cache directory): a
-full-acceptance control that shows network and trigger effects, not a realistic draft cost. On a
-shared CPU pin everything to one core: --cpus 0 --threads 1 (the defaults).
+full-acceptance control that shows network and trigger effects, not a realistic draft cost. Edge and
+cloud are separate machines: each host's processes get their own core (--edge-cpus 0 --cloud-cpus 1,
+1 torch thread each, the defaults), so drafting and verification really run at the same time.
 """
 
 from __future__ import annotations
@@ -118,13 +119,15 @@ def delete_namespaces() -> None:
 class Hosts:
     """Where each process runs: a namespace (ip netns exec) or, in the fallback, this host's loopback."""
 
-    def __init__(self, netns: bool, cpus: str, logdir: pathlib.Path):
+    def __init__(self, netns: bool, cpus: dict[str, str], logdir: pathlib.Path):
+        """cpus: namespace -> taskset CPU list of its processes ('' = no pinning)."""
         self.netns, self.cpus, self.logdir = netns, cpus, logdir
         self.edge_ip, self.cloud_ip = (EDGE_IP, CLOUD_IP) if netns else ("127.0.0.1", "127.0.0.1")
         self.procs: list[subprocess.Popen] = []
 
     def prefix(self, ns: str) -> list[str]:
-        pin = ["taskset", "-c", self.cpus] if self.cpus and shutil.which("taskset") else []
+        cpus = self.cpus.get(ns, "")
+        pin = ["taskset", "-c", cpus] if cpus and shutil.which("taskset") else []
         return (["ip", "netns", "exec", ns] if self.netns else []) + pin
 
     def start(self, ns: str, name: str, args: list[str], ready: str, timeout_s: float = 180.0) -> subprocess.Popen:
@@ -350,7 +353,12 @@ def parse_args(argv=None):
     parser.add_argument("--target-model", default=None, help="target (default SmolLM2-135M-Instruct)")
     parser.add_argument("--draft-model", default=None, help="draft model dir (default: the target's own cache dir)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
-    parser.add_argument("--cpus", default="0", help="taskset CPU list for every process (default 0; '' = no pinning)")
+    parser.add_argument("--edge-cpus", default="0",
+                        help="taskset CPU list of the edge host's processes: draft, orchestrator, client (default 0; '' = "
+                             "no pinning)")
+    parser.add_argument("--cloud-cpus", default="1",
+                        help="taskset CPU list of the cloud host's processes: verifier, relays (default 1: edge and cloud "
+                             "are separate machines, so they get separate cores; give both 0 to share one core)")
     parser.add_argument("--no-netns", action="store_true", help="skip namespaces: loopback relay (labelled so)")
     parser.add_argument("--out", default=str(HERE / "results"), help="results directory (default bench/results)")
     parser.add_argument("--report-only", action="store_true", help="rewrite network.md/png from network.json")
@@ -389,7 +397,7 @@ def main(argv=None) -> int:
                "FALLBACK: no network namespaces; delaying TCP relay on loopback")
     print(f"network: {network}", flush=True)
     logdir = pathlib.Path(tempfile.mkdtemp(prefix="specsplit-network-"))
-    hosts = Hosts(netns, args.cpus, logdir)
+    hosts = Hosts(netns, {EDGE_NS: args.edge_cpus, CLOUD_NS: args.cloud_cpus}, logdir)
     py = sys.executable
     serve = [py, "-m", "specsplit.cli", "serve"]
     common = ["--threads", str(args.threads), "--device", "cpu"]
