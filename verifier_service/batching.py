@@ -1,9 +1,13 @@
-"""Pure pieces of batched verification: rows, how to split them into forwards, the batch tensors.
+"""Pure pieces of batched verification: rows, how they are packed into one forward, the batch tensors.
 
 A *row* is one session's block of new tokens on top of its cached tokens: a Verify's root + tree
-nodes, or a chunk of a Prefill. Rows of one forward are right-padded to the longest; the 4D mask lets
-row b's query i see the row's own cached prefix ``[0, start_b)`` and the block keys its ``block_mask``
-allows (tree ancestors, or causal for a prefill chunk), nothing of any other row, and no padding.
+nodes, or a chunk of a Prefill. All rows of a tick go through one forward *packed*: their tokens
+side by side in a single ``[1, T]`` sequence, so every linear layer and the LM head see exactly the
+``T`` real tokens and no padding (a 3-token tree beside a 128-token prefill chunk costs 131 tokens, not
+2 x 128). Only attention is per row: rows of similar length form an *attention group*, padded to the
+group's longest row, whose 4D mask lets row b's query i see the row's own cached prefix
+``[0, start_b)`` and the block keys its ``block_mask`` allows (tree ancestors, or causal for a prefill
+chunk), nothing of any other row, and no padding.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from specsplit.tree import TokenTree, tree_attn_mask
+
+ATTENTION_GROUP_OVERHEAD = 8  # an extra SDPA call per layer costs about as much as this many padded queries
 
 
 @dataclass(frozen=True)
@@ -38,50 +44,108 @@ def prefill_row(slot: int, start: int, token_ids: list[int]) -> Row:
 
 
 @dataclass(frozen=True)
-class BatchInputs:
-    input_ids: torch.Tensor  # [B, Q] right-padded with token 0
-    position_ids: torch.Tensor  # [B, Q] start + depth; padding at start
-    attention_mask: torch.Tensor  # [B, 1, Q, S] additive: 0 where allowed, dtype min elsewhere
-    slots: torch.Tensor  # [B]
-    starts: torch.Tensor  # [B]
+class AttentionGroup:
+    """Rows whose attention runs as one padded SDPA call over their slots."""
+
+    rows: tuple[int, ...]  # [G] batch rows in the group
+    slots: torch.Tensor  # [G] their KV slots
+    kv_length: int  # S_g: keys each row attends over (its prefix, its block, padding)
+    attention_mask: torch.Tensor  # [G, 1, Q_g, S_g] additive: 0 where allowed, dtype min elsewhere
+    query_index: torch.Tensor  # [G, Q_g] packed index of row g's query i; T (a zero query) for padding
+    out_rows: torch.Tensor  # [T_g] for each packed token of the group (in packed order): its row in the group
+    out_offsets: torch.Tensor  # [T_g] and its offset in that row
+    token_index: torch.Tensor  # [T_g] the packed indices of the group's tokens
+    dense: tuple[int, int] | None = None  # (first, last + 1) packed index when the group's rows are equally
+    #                                       long and packed side by side: its queries are a view, no gather
+
+    @property
+    def contiguous(self) -> bool:
+        """Slots s0, s0 + 1, ...: the group's K/V are a view of the store, no copy."""
+        slots = self.slots.tolist()
+        return slots == list(range(slots[0], slots[0] + len(slots)))
 
 
-def batch_inputs(rows: list[Row], dtype: torch.dtype, device: torch.device | str = "cpu") -> BatchInputs:
-    q_len = max(len(r) for r in rows)
-    kv_len = max(r.start for r in rows) + q_len  # S
-    input_ids = torch.zeros(len(rows), q_len, dtype=torch.long)  # [B, Q]
-    starts = torch.tensor([r.start for r in rows], dtype=torch.long)  # [B]
-    position_ids = starts[:, None].repeat(1, q_len)  # [B, Q]
-    allowed = torch.zeros(len(rows), q_len, kv_len, dtype=torch.bool)  # [B, Q, S]
-    for b, row in enumerate(rows):
-        n = len(row)
-        input_ids[b, :n] = torch.tensor(row.input_ids)
-        position_ids[b, :n] += torch.tensor(row.depths)
-        allowed[b, :n, :row.start] = True  # the session's own cached prefix
-        allowed[b, :n, row.start:row.start + n] = row.block_mask
+@dataclass(frozen=True)
+class PackedBatch:
+    input_ids: torch.Tensor  # [1, T] every row's tokens, row after row
+    position_ids: torch.Tensor  # [1, T] start + depth (the token's position in its sequence, for RoPE)
+    token_slots: torch.Tensor  # [T] the slot each token's K/V go to
+    token_positions: torch.Tensor  # [T] and where in that slot: start + its index in the row (the block
+    #                                order the masks refer to; siblings share a depth, never a cache position)
+    row_offsets: tuple[int, ...]  # [B + 1] row b's tokens are packed [row_offsets[b], row_offsets[b + 1])
+    groups: tuple[AttentionGroup, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def max_slot(self) -> int:
+        return int(self.token_slots.max())
+
+    @property
+    def kv_length(self) -> int:
+        return max(g.kv_length for g in self.groups)
+
+
+def pack_rows(rows: list[Row], dtype: torch.dtype, device: torch.device | str = "cpu",
+              group_overhead: int = ATTENTION_GROUP_OVERHEAD) -> PackedBatch:
+    """The packed forward's tensors: tokens side by side, attention grouped by row length."""
+    offsets = [0]
+    for row in rows:
+        offsets.append(offsets[-1] + len(row))
+    total = offsets[-1]
+    input_ids = torch.tensor([t for r in rows for t in r.input_ids], dtype=torch.long)[None]  # [1, T]
+    positions = torch.tensor([r.start + d for r in rows for d in r.depths], dtype=torch.long)  # [T]
+    cache_positions = torch.tensor([r.start + i for r in rows for i in range(len(r))], dtype=torch.long)  # [T]
+    token_slots = torch.tensor([r.slot for r in rows for _ in r.input_ids], dtype=torch.long)  # [T]
+    groups = tuple(_attention_group(rows, members, offsets, total, dtype, device)
+                   for members in plan_groups([len(r) for r in rows], group_overhead))
+    return PackedBatch(input_ids.to(device), positions[None].to(device), token_slots.to(device),
+                       cache_positions.to(device), tuple(offsets), groups)
+
+
+def _attention_group(rows: list[Row], members: list[int], offsets: list[int], total: int, dtype: torch.dtype,
+                     device) -> AttentionGroup:
+    members = sorted(members)  # slot order where possible: contiguous slots are a view
+    q_len = max(len(rows[b]) for b in members)
+    kv_len = max(rows[b].start for b in members) + q_len  # S_g
+    allowed = torch.zeros(len(members), q_len, kv_len, dtype=torch.bool)  # [G, Q_g, S_g]
+    query_index = torch.full((len(members), q_len), total, dtype=torch.long)  # [G, Q_g]
+    for g, b in enumerate(members):
+        row, n = rows[b], len(rows[b])
+        allowed[g, :n, :row.start] = True  # the session's own cached prefix
+        allowed[g, :n, row.start:row.start + n] = row.block_mask
         padding = torch.arange(n, q_len)  # a padding query sees only its own (padding) key: finite, never read
-        allowed[b, padding, row.start + padding] = True
+        allowed[g, padding, row.start + padding] = True
+        query_index[g, :n] = torch.arange(offsets[b], offsets[b] + n)
     zero = torch.zeros((), dtype=dtype)
     neg = torch.tensor(torch.finfo(dtype).min, dtype=dtype)
-    mask = torch.where(allowed, zero, neg)[:, None]  # [B, 1, Q, S]
-    return BatchInputs(input_ids.to(device), position_ids.to(device), mask.to(device),
-                       torch.tensor([r.slot for r in rows], dtype=torch.long, device=device), starts.to(device))
+    mask = torch.where(allowed, zero, neg)[:, None]  # [G, 1, Q_g, S_g]
+    out_rows = torch.tensor([g for g, b in enumerate(members) for _ in range(len(rows[b]))], dtype=torch.long)
+    out_offsets = torch.tensor([i for b in members for i in range(len(rows[b]))], dtype=torch.long)
+    token_index = torch.tensor([offsets[b] + i for b in members for i in range(len(rows[b]))], dtype=torch.long)
+    side_by_side = members == list(range(members[0], members[-1] + 1))
+    dense = (offsets[members[0]], offsets[members[-1] + 1]) if side_by_side and all(
+        len(rows[b]) == q_len for b in members) else None
+    return AttentionGroup(tuple(members), torch.tensor([rows[b].slot for b in members], dtype=torch.long, device=device),
+                          kv_len, mask.to(device), query_index.to(device), out_rows.to(device), out_offsets.to(device),
+                          token_index.to(device), dense)
 
 
-def plan_forwards(lengths: list[int], overhead_tokens: int) -> list[list[int]]:
-    """Split rows into forwards minimising total cost, a forward costing ``overhead + rows * longest``.
+def plan_groups(lengths: list[int], overhead_tokens: int) -> list[list[int]]:
+    """Split rows into padded groups minimising total cost, a group costing ``overhead + rows * longest``.
 
-    Padding makes every row of a forward as long as its longest; a forward's fixed cost (reading the
-    weights) makes many forwards dear. Rows sorted by length, the best split is into contiguous runs:
-    a small dynamic programme. Returns row indices per forward, the forward of the shortest rows first:
-    those are Verify rows, answered while the longer forwards (prefill chunks, big trees) still run.
+    Padding makes every row of a group as long as its longest; each group's fixed cost (one more call)
+    makes many groups dear. Rows sorted by length, the best split is into contiguous runs: a small
+    dynamic programme. Returns row indices per group, the group of the shortest rows first.
     """
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     n = len(order)
     best = [0.0] + [float("inf")] * n  # best[j]: cheapest cost of the first j rows (longest first)
     cut = [0] * (n + 1)
     for j in range(1, n + 1):
-        for i in range(j):  # rows i..j-1 in one forward; its longest is order[i]
+        for i in range(j):  # rows i..j-1 in one group; its longest is order[i]
             cost = best[i] + overhead_tokens + (j - i) * lengths[order[i]]
             if cost < best[j]:
                 best[j], cut[j] = cost, i
@@ -93,7 +157,7 @@ def plan_forwards(lengths: list[int], overhead_tokens: int) -> list[list[int]]:
 
 
 def cost_shares(lengths: list[int], overhead_tokens: int, forward_ms: float) -> list[float]:
-    """Each row's share of a forward: the fixed cost split equally, the rest by tokens (padding too).
+    """Each row's share of a forward: the fixed cost split equally, the rest by tokens.
 
     This is what a row really costs the verifier: with B rows the fixed cost is amortised B ways, so a
     drafted token is dearer relative to a round; a controller that maximises tokens per share of the

@@ -6,8 +6,8 @@ root + accepted path; the recovered/bonus token becomes the new pending token. A
 therefore exactly one step of plain decoding.
 
 Verify and Prefill calls from many sessions are batched: the scheduler (``verifier_service.scheduler``)
-gathers them into ticks on the one model thread; each tick's rows are split into padded forwards
-(``batching.plan_forwards``) over the slot cache (``verifier_service.slots``), and every request is
+gathers them into ticks on the one model thread; each tick's rows run as one packed forward
+(``verifier_service.batching``) over the slot cache (``verifier_service.slots``), and every request is
 answered with exactly its own result. Prefill is cached ``prefill_chunk`` tokens per tick, riding
 along with everyone's verification.
 
@@ -27,7 +27,6 @@ another replica (after failover, an import or a re-prefill) continues with exact
 
 from __future__ import annotations
 
-import inspect
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,9 +43,9 @@ from specsplit.models import LoadedModel
 from specsplit.sampling import SamplingParams, accept_sampled, distribution, round_seed
 from specsplit.tree import TokenTree
 from verifier_service import offload
-from verifier_service.batching import Row, batch_inputs, cost_shares, plan_forwards, prefill_row, verify_row
+from verifier_service.batching import Row, cost_shares, pack_rows, prefill_row, verify_row
 from verifier_service.scheduler import Scheduler, Work
-from verifier_service.slots import SlotBatch, SlotStore
+from verifier_service.slots import PACKED_MASK, SlotBatch, SlotStore, use_packed_attention
 
 tracer = trace.get_tracer(__name__)
 
@@ -158,7 +157,7 @@ class TargetEngine:
         self.dtype = self.model.dtype
         self.stats = BatchStats()
         self._num_layers = int(self.model.config.num_hidden_layers)
-        self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        use_packed_attention(self.model)
         self._store = SlotStore(self.config.max_sessions, self.config.kv_grow_tokens)
         self._sessions: dict[str, TargetSession] = {}
         self._sessions_lock = threading.Lock()
@@ -369,37 +368,36 @@ class TargetEngine:
                 self.stats.thinks += 1
         self.stats.ticks += 1
         continuing: list[Work] = []
-        for group in plan_forwards([len(r) for r in rows], self.config.forward_overhead_tokens):
-            start = time.perf_counter()
-            try:
-                logits, hidden = self._forward([rows[i] for i in group], [isinstance(owners[i], _Verify) for i in group],
-                                               any(owners[i].session.needs_hidden for i in group))
-            except BaseException as err:  # nothing was committed: every session stays as it was
-                for i in group:
-                    self._fail(owners[i], err)
+        if not rows:
+            return continuing
+        start = time.perf_counter()
+        try:
+            logits, hidden = self._forward(rows, [isinstance(w, _Verify) for w in owners],
+                                           any(w.session.needs_hidden for w in owners))
+        except BaseException as err:  # nothing was committed: every session stays as it was
+            for work in owners:
+                self._fail(work, err)
+            return continuing
+        forward_ms = _ms_since(start)
+        self.stats.forward_ms += forward_ms
+        shares = cost_shares([len(r) for r in rows], self.config.forward_overhead_tokens, forward_ms)
+        for b, work in enumerate(owners):
+            row_hidden = hidden[b] if hidden is not None and work.session.needs_hidden else None
+            if isinstance(work, _Prefill):
+                if row_hidden is not None:
+                    work.hidden.append(row_hidden)  # [C, H]
+                self._advance_prefill(work, len(rows[b]), continuing)
                 continue
-            forward_ms = _ms_since(start)
-            self.stats.forward_ms += forward_ms
-            shares = cost_shares([len(rows[i]) for i in group], self.config.forward_overhead_tokens, forward_ms)
-            for b, i in enumerate(group):
-                work = owners[i]
-                row_hidden = hidden[b, :len(rows[i])] if hidden is not None and work.session.needs_hidden else None
-                if isinstance(work, _Prefill):
-                    if row_hidden is not None:
-                        work.hidden.append(row_hidden)  # [C, H]
-                    self._advance_prefill(work, len(rows[i]), continuing)
-                    continue
-                try:
-                    start_position = work.session.cached_length
-                    verdict = self._accept(work, logits[b, :len(rows[i])])  # [Q_b, V]
-                    features, proposal = self._extras(work.session, start_position, row_hidden,
-                                                      verdict.rows_to_keep)
-                except BaseException as err:
-                    self._fail(work, err)
-                    continue
-                work.session.answered_at = time.perf_counter()
-                work.future.set_result(VerifyResult(verdict, work.session.committed_length, _ms_since(work.enqueued),
-                                                    (tick_start - work.enqueued) * 1e3, shares[b], features, proposal))
+            try:
+                start_position = work.session.cached_length
+                verdict = self._accept(work, logits[b])  # [Q_b, V]
+                features, proposal = self._extras(work.session, start_position, row_hidden, verdict.rows_to_keep)
+            except BaseException as err:
+                self._fail(work, err)
+                continue
+            work.session.answered_at = time.perf_counter()
+            work.future.set_result(VerifyResult(verdict, work.session.committed_length, _ms_since(work.enqueued),
+                                                (tick_start - work.enqueued) * 1e3, shares[b], features, proposal))
         return continuing
 
     def _move_kv(self, work: _Export | _Import) -> None:
@@ -434,30 +432,39 @@ class TargetEngine:
         return features, proposal
 
     def _forward(self, rows: list[Row], needs_logits: list[bool],
-                 needs_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[B, Q', V] logits for rows right-padded to Q tokens (Q' = the longest verify row: prefill needs none),
-        and (needs_hidden) the final hidden states after the final norm [B, Q, H] from the same forward."""
-        inputs = batch_inputs(rows, self.dtype, self.device)
-        q_len = inputs.input_ids.shape[1]
-        cache = SlotBatch(self._store, inputs.slots, inputs.starts, q_len, self._num_layers)
-        kwargs = {}
-        if self._logits_to_keep:
-            keep = max((len(r) for r, need in zip(rows, needs_logits) if need), default=1)
-            kwargs["logits_to_keep"] = 0 if keep == q_len else torch.arange(keep, device=self.device)
+                 needs_hidden: bool = False) -> tuple[list[torch.Tensor | None], list[torch.Tensor] | None]:
+        """One packed forward of all rows: per row its [Q_b, V] logits (None where not needed: a prefill
+        chunk) and (needs_hidden) its final hidden states after the final norm [Q_b, H], same forward."""
+        packed = pack_rows(rows, self.dtype, self.device)
+        offsets = packed.row_offsets
+        keep = [i for b, need in enumerate(needs_logits) if need for i in range(offsets[b], offsets[b + 1])]
         self.stats.forwards += 1
         self.stats.rows += len(rows)
-        self.stats.tokens += inputs.input_ids.numel()
+        self.stats.tokens += packed.num_tokens
         self.stats.max_rows = max(self.stats.max_rows, len(rows))
+        cache = SlotBatch(self._store, packed, self._num_layers)
         out = self.model(
-            input_ids=inputs.input_ids,  # [B, Q]
-            position_ids=inputs.position_ids,  # [B, Q]
-            attention_mask=inputs.attention_mask,  # [B, 1, Q, S]
+            input_ids=packed.input_ids,  # [1, T]
+            position_ids=packed.position_ids,  # [1, T]
+            attention_mask=PACKED_MASK,  # the real masks are per attention group (packed.groups)
             cache=cache,
             use_cache=True,
             output_hidden_states=needs_hidden,
-            **kwargs,
+            logits_to_keep=torch.tensor(keep, device=self.device) if keep else 1,
+            specsplit_batch=cache,
         )
-        return out.logits, (out.hidden_states[-1] if needs_hidden else None)  # [B, Q', V], [B, Q, H]
+        logits = out.logits[0]  # [K, V]: the verify rows' tokens, in packed order
+        per_row: list[torch.Tensor | None] = []
+        k = 0
+        for b, need in enumerate(needs_logits):
+            n = len(rows[b])
+            per_row.append(logits[k:k + n] if need else None)
+            k += n if need else 0
+        hidden = None
+        if needs_hidden:
+            final = out.hidden_states[-1][0]  # [T, H]
+            hidden = [final[offsets[b]:offsets[b + 1]] for b in range(len(rows))]
+        return per_row, hidden
 
     def _accept(self, work: _Verify, logits: torch.Tensor) -> Verdict:
         """logits: [N+1, V] for root + nodes. Accept, compact the slot, commit."""

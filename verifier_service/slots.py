@@ -1,12 +1,12 @@
-"""A slot-based KV cache: many sessions, one batched forward.
+"""A slot-based KV cache: many sessions, one packed forward.
 
 Every session owns a *slot*. Per layer, keys and values live in one preallocated tensor
 ``[num_slots, H_kv, capacity, D]``; a session's committed tokens sit at positions ``[0, length)`` of
-its slot. A batched forward is described by ``(slots, starts)``: row b's new K/V are written at
-``[starts[b], starts[b] + Q)`` of slot ``slots[b]`` (padding included; it lands past the committed
-tokens, where nothing reads it), and attention runs over the ``[B, H_kv, S, D]`` view of those slots'
-first ``S`` positions. The 4D attention mask (``verifier_service.batching``) hides, per row, everything
-that is neither its own committed prefix nor its tree ancestors.
+its slot. A packed forward (``verifier_service.batching.PackedBatch``) runs all rows' tokens as one
+``[1, T]`` sequence: each token's new K/V are written at its own (slot, position), and attention
+(``packed_attention``, registered with HF as an attention implementation) runs per attention group
+over the ``[G, H_kv, S, D]`` view of the group's slots, with a 4D mask that hides, per row, everything
+that is neither its own committed prefix nor its tree ancestors. The linear layers never see padding.
 
 After acceptance the accepted rows' K/V are moved to follow the prefix inside the slot (one gather per
 layer): compaction, never a re-prefill. Storage grows lazily, slots in powers of two up to
@@ -18,9 +18,14 @@ from __future__ import annotations
 import heapq
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import AttentionInterface
 
 from specsplit.errors import ResourceExhausted
+from verifier_service.batching import PackedBatch
 
 
 class SlotStore:
@@ -102,7 +107,7 @@ class SlotStore:
 
 
 class _SlotLayer(CacheLayerMixin):
-    """One layer's view of a batch: writes each row at its own offset, returns the rows' padded K/V."""
+    """One layer's view of a packed batch: writes each token's K/V into its slot at its position."""
 
     is_sliding = False
 
@@ -115,43 +120,84 @@ class _SlotLayer(CacheLayerMixin):
         pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """key_states, value_states: [B, H_kv, Q, D] -> keys, values [B, H_kv, S, D] for the attention."""
+        """key_states, value_states: [1, H_kv, T, D] packed -> the layer's whole storage
+        [slots_alloc, H_kv, capacity, D] (``packed_attention`` reads each group's slots from it)."""
         b = self.batch
-        q = key_states.shape[2]
-        keys, values = b.store.layer(self.layer_idx, key_states, b.max_slot + 1, b.kv_length)
-        rows = b.slots[:, None].expand(-1, q)  # [B, Q]
-        positions = b.starts[:, None] + torch.arange(q, device=b.starts.device)  # [B, Q]
-        keys.transpose(1, 2)[rows, positions] = key_states.transpose(1, 2)  # [B, Q, H_kv, D] into the slots
-        values.transpose(1, 2)[rows, positions] = value_states.transpose(1, 2)
-        if b.contiguous:  # slots s0, s0+1, ...: a view, no copy
-            s0 = b.first_slot
-            return keys[s0:s0 + len(b.slots), :, :b.kv_length], values[s0:s0 + len(b.slots), :, :b.kv_length]
-        return keys[:, :, :b.kv_length].index_select(0, b.slots), values[:, :, :b.kv_length].index_select(0, b.slots)
+        keys, values = b.store.layer(self.layer_idx, key_states, b.packed.max_slot + 1, b.packed.kv_length)
+        slots, positions = b.packed.token_slots, b.packed.token_positions  # [T], [T]
+        keys.transpose(1, 2)[slots, positions] = key_states[0].transpose(0, 1)  # [T, H_kv, D] into the slots
+        values.transpose(1, 2)[slots, positions] = value_states[0].transpose(0, 1)
+        return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.batch.kv_length, 0
+        return self.batch.packed.kv_length, 0
 
     def get_seq_length(self) -> int:
-        return int(self.batch.starts.max())
+        return int(self.batch.packed.token_positions.max())
 
     def get_max_length(self) -> int:
         return -1
 
 
 class SlotBatch(Cache):
-    """The ``Cache`` handed to one batched forward (a thin view over the ``SlotStore``).
+    """The ``Cache`` handed to one packed forward (a thin view over the ``SlotStore``).
 
-    slots: [B] the rows' slots; starts: [B] cached tokens of each row; q_len: new tokens per row (padded).
-    The forward must get position ids and a 4D mask: this cache sizes nothing by itself.
+    The forward must also get ``specsplit_batch=<this>`` (it reaches ``packed_attention``), the packed
+    position ids and any 4D mask (``PACKED_MASK``: the real masks are per attention group).
     """
 
-    def __init__(self, store: SlotStore, slots: torch.Tensor, starts: torch.Tensor, q_len: int, num_layers: int):
+    def __init__(self, store: SlotStore, packed: PackedBatch, num_layers: int):
         self.store = store
-        self.slots = slots  # [B]
-        self.starts = starts  # [B]
-        self.kv_length = int((starts + q_len).max())  # S: keys each row attends over (its prefix, its block, padding)
-        slot_list = slots.tolist()
-        self.max_slot = max(slot_list)
-        self.first_slot = slot_list[0]
-        self.contiguous = slot_list == list(range(slot_list[0], slot_list[0] + len(slot_list)))
+        self.packed = packed
         super().__init__(layers=[_SlotLayer(self, i) for i in range(num_layers)])
+
+
+def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     specsplit_batch: SlotBatch | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention of a packed forward, one padded SDPA call per attention group; plain SDPA otherwise.
+
+    query: [1, H, T, D] packed; key, value: the layer's slot storage [slots_alloc, H_kv, capacity, D].
+    Returns [1, T, H, D] (the layout HF's attention functions return).
+    """
+    if specsplit_batch is None:  # any other forward of the same model (HF generate, a plain prefill)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    heads, total, head_dim = query.shape[1:]
+    groups = specsplit_batch.packed.groups
+    padded = None  # [H, T + 1, D] the queries and one zero query (T) for padding, built once if needed
+    out = query.new_empty(total, heads, head_dim)  # [T, H, D]
+    for group in groups:
+        s, size = group.kv_length, len(group.rows)
+        if group.contiguous:  # a view, no copy
+            first = int(group.slots[0])
+            k, v = key[first:first + size, :, :s], value[first:first + size, :, :s]
+        else:
+            k, v = key[:, :, :s].index_select(0, group.slots), value[:, :, :s].index_select(0, group.slots)
+        if group.dense is not None:  # equal rows side by side: a view
+            a, b = group.dense
+            q = query[0, :, a:b].unflatten(1, (size, -1)).transpose(0, 1)  # [G, H, Q_g, D]
+        else:
+            if padded is None:
+                padded = torch.cat([query[0], query.new_zeros(heads, 1, head_dim)], dim=1)
+            q = padded[:, group.query_index].transpose(0, 1)  # [G, H, Q_g, D]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.attention_mask, scale=scaling,
+                                           enable_gqa=k.shape[1] != heads)  # [G, H, Q_g, D]
+        if group.dense is not None:
+            if len(groups) == 1:
+                return o.transpose(1, 2).reshape(1, total, heads, head_dim), None
+            out[a:b] = o.transpose(1, 2).flatten(0, 1)  # [T_g, H, D]
+        else:
+            out[group.token_index] = o[group.out_rows, :, group.out_offsets]  # [T_g, H, D]
+    return out[None], None
+
+
+PACKED_ATTENTION = "specsplit_packed"
+PACKED_MASK = torch.zeros(1, 1, 1, 1)  # a 4D mask passes through HF's mask building untouched; the real ones are per group
+
+
+def use_packed_attention(model: torch.nn.Module) -> None:
+    """Let ``model`` run packed forwards (every other forward of it stays plain SDPA)."""
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+    AttentionMaskInterface.register(PACKED_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    model.set_attn_implementation(PACKED_ATTENTION)

@@ -1,16 +1,16 @@
-"""Batched forwards over the slot cache give every row the logits of a plain forward of its own session.
+"""Packed forwards over the slot cache give every row the logits of a plain forward of its own session.
 
-Sessions of different lengths are prefilled in one batched forward (chunked, padded), then verified in
-one batched tree forward; each row must match an unbatched HF forward of exactly its own tokens. A mask
-or slot bug that lets rows see each other (or padding) breaks these equalities.
+Sessions of different lengths are prefilled in one packed forward (chunked), then verified in one
+packed tree forward; each row must match an unbatched HF forward of exactly its own tokens. A mask,
+packing or slot bug that lets rows see each other (or padding) breaks these equalities.
 """
 
 import torch
 
 from specsplit.tree import TokenTree
 from tiny import tiny_llama
-from verifier_service.batching import batch_inputs, prefill_row, verify_row
-from verifier_service.slots import SlotBatch, SlotStore
+from verifier_service.batching import pack_rows, prefill_row, verify_row
+from verifier_service.slots import PACKED_MASK, SlotBatch, SlotStore, use_packed_attention
 
 PREFIXES = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38], [5], [26, 53, 58, 97, 93, 23, 84], list(range(40, 75))]
 ROOTS = [62, 64, 33, 83]
@@ -22,12 +22,20 @@ TREES = [
 ]
 
 
-def forward(model, store, rows, logits=True):
-    inputs = batch_inputs(rows, torch.float32)
-    cache = SlotBatch(store, inputs.slots, inputs.starts, inputs.input_ids.shape[1], model.config.num_hidden_layers)
-    out = model(inputs.input_ids, position_ids=inputs.position_ids, attention_mask=inputs.attention_mask,
-                cache=cache, use_cache=True)
-    return out.logits  # [B, Q, V]
+def packed_model(seed):
+    model = tiny_llama(seed=seed)
+    use_packed_attention(model)
+    return model
+
+
+def forward(model, store, rows):
+    """Per row its [Q_b, V] logits, from one packed forward."""
+    packed = pack_rows(rows, torch.float32)
+    cache = SlotBatch(store, packed, model.config.num_hidden_layers)
+    out = model(packed.input_ids, position_ids=packed.position_ids, attention_mask=PACKED_MASK, cache=cache,
+                use_cache=True, specsplit_batch=cache)
+    offsets = packed.row_offsets
+    return [out.logits[0, a:b] for a, b in zip(offsets, offsets[1:])]
 
 
 def prefill_all(model, store, slots, chunk):
@@ -44,7 +52,7 @@ def prefill_all(model, store, slots, chunk):
 
 def test_batched_tree_logits_match_each_session_alone():
     torch.manual_seed(0)
-    model = tiny_llama(seed=3)
+    model = packed_model(3)
     store = SlotStore(max_slots=8, grow_tokens=16)
     slots = [store.acquire() for _ in PREFIXES]
     slots[1], slots[3] = slots[3], slots[1]  # rows not in slot order: the gathered (non-view) path
@@ -54,15 +62,15 @@ def test_batched_tree_logits_match_each_session_alone():
         logits = forward(model, store, rows)
         for b, (prefix, root, tree) in enumerate(zip(PREFIXES, ROOTS, TREES)):
             reference = model(torch.tensor([prefix + [root]])).logits[0, -1]  # [V]
-            assert torch.allclose(logits[b, 0], reference, atol=1e-4), f"session {b} root"
+            assert torch.allclose(logits[b][0], reference, atol=1e-4), f"session {b} root"
             for node in range(len(tree)):
                 path = [tree.token_ids[i] for i in tree.path_to(node)]
                 reference = model(torch.tensor([prefix + [root] + path])).logits[0, -1]  # [V]
-                assert torch.allclose(logits[b, node + 1], reference, atol=1e-4), f"session {b} node {node}"
+                assert torch.allclose(logits[b][node + 1], reference, atol=1e-4), f"session {b} node {node}"
 
 
 def test_compaction_then_next_round_matches_a_fresh_prefill():
-    model = tiny_llama(seed=4)
+    model = packed_model(4)
     store = SlotStore(max_slots=4, grow_tokens=8)
     slots = [store.acquire() for _ in PREFIXES]  # 0, 1, 2, 3: the contiguous (view) path
     with torch.no_grad():
@@ -85,11 +93,11 @@ def test_compaction_then_next_round_matches_a_fresh_prefill():
         logits = forward(model, store, rows)
         for b, tokens in enumerate(committed):
             reference = model(torch.tensor([tokens + [nxt[b]]])).logits[0, -1]
-            assert torch.allclose(logits[b, 0], reference, atol=1e-4), b
+            assert torch.allclose(logits[b][0], reference, atol=1e-4), b
 
 
 def test_slots_are_reused_lowest_first_and_storage_grows():
-    model = tiny_llama(seed=5)
+    model = packed_model(5)
     store = SlotStore(max_slots=4, grow_tokens=8)
     a, b = store.acquire(), store.acquire()
     assert (a, b) == (0, 1)
@@ -98,3 +106,27 @@ def test_slots_are_reused_lowest_first_and_storage_grows():
     assert store.keys[0].shape[0] == 2 and store.keys[0].shape[2] == 24  # slots for 0..1, 19 tokens -> 24
     store.release(a)
     assert store.acquire() == 0
+
+
+def test_a_prefill_chunk_and_trees_in_one_packed_forward_each_match_their_session_alone():
+    """Rows of very different lengths: several attention groups, one packed forward."""
+    model = packed_model(6)
+    store = SlotStore(max_slots=8, grow_tokens=16)
+    slots = [store.acquire() for _ in PREFIXES]
+    slots[0], slots[2] = slots[2], slots[0]
+    late = list(range(100, 160))  # a new session's 60-token prompt chunk rides with the others' trees
+    late_slot = store.acquire()
+    with torch.no_grad():
+        prefill_all(model, store, slots, chunk=100)
+        rows = [verify_row(s, len(p), root, tree) for s, p, root, tree in zip(slots, PREFIXES, ROOTS, TREES)]
+        rows.insert(1, prefill_row(late_slot, 0, late))
+        assert len(pack_rows(rows, torch.float32).groups) > 1
+        logits = forward(model, store, rows)
+        reference = model(torch.tensor([late])).logits[0]  # [60, V]
+        assert torch.allclose(logits[1], reference, atol=1e-4), "prefill chunk"
+        del logits[1]
+        for b, (prefix, root, tree) in enumerate(zip(PREFIXES, ROOTS, TREES)):
+            for node in range(-1, len(tree)):
+                path = [tree.token_ids[i] for i in tree.path_to(node)] if node >= 0 else []
+                reference = model(torch.tensor([prefix + [root] + path])).logits[0, -1]  # [V]
+                assert torch.allclose(logits[b][node + 1], reference, atol=1e-4), f"session {b} node {node}"

@@ -1,4 +1,4 @@
-"""Batched verification's pure parts: forward planning, cost shares, the batch tensors, the scheduler."""
+"""Batched verification's pure parts: attention grouping, cost shares, the packed batch tensors, the scheduler."""
 
 import time
 
@@ -7,28 +7,27 @@ import torch
 
 from specsplit.errors import Unavailable
 from specsplit.tree import TokenTree
-from verifier_service.batching import batch_inputs, cost_shares, plan_forwards, prefill_row, verify_row
+from verifier_service.batching import cost_shares, pack_rows, plan_groups, prefill_row, verify_row
 from verifier_service.scheduler import Scheduler, Work
 
 
-def test_equal_rows_share_one_forward():
-    assert plan_forwards([5, 5, 5, 5], overhead_tokens=32) == [[0, 1, 2, 3]]
+def test_equal_rows_share_one_attention_group():
+    assert plan_groups([5, 5, 5, 5], overhead_tokens=8) == [[0, 1, 2, 3]]
 
 
-def test_one_long_row_gets_its_own_forward_when_padding_costs_more_than_a_forward():
-    # 7 rows of 2 padded to 60 waste 7 * 58 tokens, far more than a second forward's 32.
-    groups = plan_forwards([2, 2, 60, 2, 2, 2, 2, 2], overhead_tokens=32)
-    assert groups == [[0, 1, 3, 4, 5, 6, 7], [2]]  # the short rows' forward runs (and is answered) first
+def test_one_long_row_gets_its_own_group_when_padding_costs_more_than_a_call():
+    # 7 rows of 2 padded to 60 waste 7 * 58 queries, far more than a second call's 8.
+    groups = plan_groups([2, 2, 60, 2, 2, 2, 2, 2], overhead_tokens=8)
+    assert groups == [[0, 1, 3, 4, 5, 6, 7], [2]]
 
 
-def test_padding_is_kept_when_forwards_are_dear():
-    # On a GPU a forward's fixed cost dwarfs the padding: everything in one forward.
-    assert len(plan_forwards([2, 2, 60, 2, 2, 2, 2, 2], overhead_tokens=10_000)) == 1
+def test_padding_is_kept_when_calls_are_dear():
+    assert len(plan_groups([2, 2, 60, 2, 2, 2, 2, 2], overhead_tokens=10_000)) == 1
 
 
 def test_plan_covers_every_row_once():
     lengths = [1, 9, 3, 65, 17, 2, 33, 5, 5, 128]
-    groups = plan_forwards(lengths, overhead_tokens=32)
+    groups = plan_groups(lengths, overhead_tokens=8)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
 
 
@@ -44,14 +43,22 @@ def test_alone_a_row_pays_the_whole_forward():
     assert cost_shares([17], overhead_tokens=32, forward_ms=80.0) == [80.0]
 
 
-def test_batch_inputs_pad_and_mask_each_row_to_itself():
+def test_pack_rows_packs_tokens_and_masks_each_row_to_itself():
     tree = TokenTree((11, 12, 13), (-1, -1, 0))
     rows = [verify_row(slot=3, start=5, root_token=7, tree=tree), prefill_row(slot=0, start=2, token_ids=[4, 5])]
-    inputs = batch_inputs(rows, torch.float32)
-    assert inputs.input_ids.tolist() == [[7, 11, 12, 13], [4, 5, 0, 0]]
-    assert inputs.position_ids.tolist() == [[5, 6, 6, 7], [2, 3, 2, 2]]
-    assert inputs.slots.tolist() == [3, 0] and inputs.starts.tolist() == [5, 2]
-    allowed = inputs.attention_mask[:, 0] == 0  # [B, Q, S], S = 5 + 4
+    packed = pack_rows(rows, torch.float32, group_overhead=10_000)  # one attention group
+    assert packed.input_ids.tolist() == [[7, 11, 12, 13, 4, 5]]  # no padding in the packed sequence
+    assert packed.position_ids.tolist() == [[5, 6, 6, 7, 2, 3]]
+    assert packed.token_slots.tolist() == [3, 3, 3, 3, 0, 0]
+    assert packed.token_positions.tolist() == [5, 6, 7, 8, 2, 3]  # nodes 0 and 1 share a depth, not a cache position
+    assert packed.row_offsets == (0, 4, 6)
+    (group,) = packed.groups
+    assert group.rows == (0, 1) and group.slots.tolist() == [3, 0] and group.kv_length == 9
+    assert group.query_index.tolist() == [[0, 1, 2, 3], [4, 5, 6, 6]]  # 6 = T: the zero padding query
+    assert group.token_index.tolist() == [0, 1, 2, 3, 4, 5]
+    assert list(zip(group.out_rows.tolist(), group.out_offsets.tolist())) == [(0, 0), (0, 1), (0, 2), (0, 3),
+                                                                               (1, 0), (1, 1)]
+    allowed = group.attention_mask[:, 0] == 0  # [G, Q, S], S = 5 + 4
     assert allowed.shape == (2, 4, 9)
     assert allowed[0, 3].tolist() == [True] * 5 + [True, True, False, True]  # node 2: prefix, root, node 0, itself
     assert allowed[0, 2].tolist() == [True] * 5 + [True, False, True, False]  # node 1: prefix, root, itself
@@ -59,10 +66,23 @@ def test_batch_inputs_pad_and_mask_each_row_to_itself():
     assert allowed[1, 2].tolist() == [False] * 4 + [True] + [False] * 4  # padding sees only its own key
 
 
-def test_batch_inputs_never_let_a_row_see_past_its_own_prefix():
+def test_pack_rows_never_lets_a_row_see_past_its_own_prefix():
     rows = [prefill_row(0, 10, [1]), prefill_row(1, 0, [2, 3, 4])]
-    allowed = batch_inputs(rows, torch.float32).attention_mask[:, 0] == 0  # [2, 3, 13]
+    (group,) = pack_rows(rows, torch.float32, group_overhead=10_000).groups
+    allowed = group.attention_mask[:, 0] == 0  # [2, 3, 13]
     assert not allowed[1, :, 3:].any()  # the short session cannot see positions the long one fills
+
+
+def test_a_long_prefill_chunk_gets_its_own_attention_group_but_shares_the_packed_forward():
+    rows = [verify_row(0, 40, 7, TokenTree.chain([1, 2])), prefill_row(1, 0, list(range(100, 164))),
+            verify_row(2, 30, 8, TokenTree.empty())]
+    packed = pack_rows(rows, torch.float32)
+    assert packed.num_tokens == 3 + 64 + 1
+    assert sorted(g.rows for g in packed.groups) == [(0, 2), (1,)]
+    dense = {g.rows: g.dense for g in packed.groups}
+    assert dense[(1,)] == (3, 67) and dense[(0, 2)] is None  # a lone row is a view; unequal rows are gathered
+    covered = sorted(i for g in packed.groups for i in g.token_index.tolist())
+    assert covered == list(range(packed.num_tokens))  # every packed token's attention is computed exactly once
 
 
 class Recorder:
