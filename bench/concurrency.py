@@ -1,7 +1,7 @@
 """Many sessions at once against one verifier: batched verification vs one request at a time vs plain
 batched decoding with HF generate.
 
-    python bench/concurrency.py [--sessions 1,2,4,8,16] [--max-new-tokens 64] [--threads 2]
+    python bench/concurrency.py [--sessions 1,2,4,8,16] [--max-new-tokens 64] [--threads 2] [--waves 1]
 
 For each concurrency n, the first n prompts of bench/prompts.jsonl (interleaved across kinds) run at the
 same time: n threads, each a specsplit.Client streaming from the services (verifier, n-gram draft,
@@ -11,10 +11,16 @@ max_batch=1; and once as a single left-padded HF generate(do_sample=False) over 
 (in a third child process, so each process has one OpenMP team). Greedy, fp32, CPU, all on one machine.
 The methods take turns, never overlap.
 
+With --waves W each client runs W sessions back to back (the next W-1 groups of n prompts, cycling
+through the file), so a finished session's place is taken at once, as on a serving system; HF runs
+the same W groups as W batched generates, one after another (static batching, as a user of generate
+would). One wave shows a single burst, where the slowest session sets the wall time; more waves show
+sustained serving.
+
 Aggregate tokens/s = all new tokens / wall time from the first request to the last token (prefill
 included). Per-token latency = inter-token latency after the first token: a chunk of k tokens arriving
 dt after the previous one gives each of its tokens dt / k (HF: each decoding step's duration).
-Writes <out>/concurrency.json and <out>/concurrency.md.
+Writes <out>/concurrency.json and <out>/concurrency.md (concurrency_waves<W>.* for W > 1).
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ class Session:
 @dataclass
 class Result:
     method: str
-    sessions: int
+    sessions: int  # concurrency: clients at once
     tokens: int
     wall_s: float
     tokens_per_s: float
@@ -73,30 +79,35 @@ class Result:
     rows_per_forward: float  # verifier forwards' mean rows (specsplit only)
     other_load: float  # cores other processes kept busy during the run
     think_ms: float = 0.0  # mean time from the verifier's answer to the session's next Verify (specsplit only)
+    verifier_busy: float = 0.0  # fraction of the wall time the verifier spent in forwards (specsplit only)
     token_ids: list[list[int]] = field(default_factory=list)
 
 
 # -- specsplit ---------------------------------------------------------------------------------------
-def one_session(address: str, prompt: str, max_new: int, start: threading.Barrier, out: list, i: int) -> None:
+def one_client(address: str, prompts: list[str], max_new: int, start: threading.Barrier, out: list, i: int) -> None:
+    """One of the n concurrent clients: its prompts one after another (a new session as soon as the last ended)."""
+    sessions = []
     with Client(address) as client:
         start.wait()
-        begin = last = time.perf_counter()
-        tokens: list[int] = []
-        latencies: list[float] = []
-        ttft, rounds, drafted = 0.0, 0, 0
-        for chunk in client.generate(prompt, max_new_tokens=max_new, draft="ngram"):
-            now = time.perf_counter()
-            if chunk.stats is not None:
-                rounds += 1
-                drafted += chunk.stats.num_draft_tokens
-            if chunk.token_ids:
-                if not tokens:
-                    ttft = now - begin
-                else:
-                    latencies += [(now - last) / len(chunk.token_ids)] * len(chunk.token_ids)
-                tokens += chunk.token_ids
-                last = now
-        out[i] = Session(tokens, ttft, latencies, rounds, drafted)
+        for prompt in prompts:
+            begin = last = time.perf_counter()
+            tokens: list[int] = []
+            latencies: list[float] = []
+            ttft, rounds, drafted = 0.0, 0, 0
+            for chunk in client.generate(prompt, max_new_tokens=max_new, draft="ngram"):
+                now = time.perf_counter()
+                if chunk.stats is not None:
+                    rounds += 1
+                    drafted += chunk.stats.num_draft_tokens
+                if chunk.token_ids:
+                    if not tokens:
+                        ttft = now - begin
+                    else:
+                        latencies += [(now - last) / len(chunk.token_ids)] * len(chunk.token_ids)
+                    tokens += chunk.token_ids
+                    last = now
+            sessions.append(Session(tokens, ttft, latencies, rounds, drafted))
+    out[i] = sessions
 
 
 class StackWorker:
@@ -164,14 +175,19 @@ def _edge_main(conn, verifiers: dict[str, str]) -> None:
         server.stop(1.0)
 
 
-def run_specsplit(method: str, stacks: StackWorker, prompts: list[dict], max_new: int) -> Result:
-    n = len(prompts)
-    forwards, rows, stack_cpu, thinks, think_ms = stacks.stats(method)[:5]
+def waves_of(prompts: list, n: int, waves: int) -> list[list]:
+    """Wave w is prompts[w*n : (w+1)*n] (cycling through the list): client i runs item i of every wave."""
+    return [[prompts[(w * n + i) % len(prompts)] for i in range(n)] for w in range(waves)]
+
+
+def run_specsplit(method: str, stacks: StackWorker, waves: list[list[dict]], max_new: int) -> Result:
+    n = len(waves[0])
+    forwards, rows, stack_cpu, thinks, think_ms, _, forward_ms = stacks.stats(method)[:7]
     out: list = [None] * n
     start = threading.Barrier(n + 1)
     address = stacks.addresses[method]
-    threads = [threading.Thread(target=one_session, args=(address, p["prompt"], max_new, start, out, i))
-               for i, p in enumerate(prompts)]
+    threads = [threading.Thread(target=one_client, args=(address, [w[i]["prompt"] for w in waves], max_new, start, out, i))
+               for i in range(n)]
     for t in threads:
         t.start()
     busy, cpu = machine_busy_s(), sum(os.times()[:2])
@@ -180,14 +196,17 @@ def run_specsplit(method: str, stacks: StackWorker, prompts: list[dict], max_new
     for t in threads:
         t.join()
     wall = time.perf_counter() - begin
-    forwards_after, rows_after, stack_cpu_after, thinks_after, think_ms_after = stacks.stats(method)[:5]
+    forwards_after, rows_after, stack_cpu_after, thinks_after, think_ms_after, _, forward_ms_after = \
+        stacks.stats(method)[:7]
     own = sum(os.times()[:2]) - cpu + stack_cpu_after - stack_cpu
     other = max(0.0, machine_busy_s() - busy - own) / wall
     rows_per_forward = (rows_after - rows) / max(forwards_after - forwards, 1)
-    rounds = sum(s.rounds for s in out)
-    result = summarise(method, out, wall, other, sum(s.draft_tokens for s in out) / rounds,
-                       sum(len(s.token_ids) for s in out) / rounds, rows_per_forward)
+    sessions = [s for w in range(len(waves)) for s in (client[w] for client in out)]  # wave by wave
+    rounds = sum(s.rounds for s in sessions)
+    result = summarise(method, n, sessions, wall, other, sum(s.draft_tokens for s in sessions) / rounds,
+                       sum(len(s.token_ids) for s in sessions) / rounds, rows_per_forward)
     result.think_ms = round((think_ms_after - think_ms) / max(thinks_after - thinks, 1), 1)
+    result.verifier_busy = round((forward_ms_after - forward_ms) / 1e3 / wall, 2)
     return result
 
 
@@ -237,16 +256,19 @@ def _hf_worker_main(conn, threads: int) -> None:
         conn.send((rows, times, begin, other))
 
 
-def run_hf(conn, ids: list[list[int]], max_new: int) -> Result:
-    conn.send((ids, max_new))
-    rows, times, begin, other = conn.recv()
-    out = []
-    for row in rows:
-        steps = times[:len(row)]
-        latencies = [b - a for a, b in zip(steps, steps[1:])]
-        out.append(Session(row, steps[0] - begin if steps else 0.0, latencies))
-    wall = max((times[len(r) - 1] for r in rows if r), default=begin) - begin
-    return summarise("hf_batched", out, wall, other, 0.0, 1.0, float(len(rows)))
+def run_hf(conn, waves: list[list[list[int]]], max_new: int) -> Result:
+    """One left-padded generate per wave, back to back (static batching: a wave waits for its longest row)."""
+    out, wall, others = [], 0.0, []
+    for ids in waves:
+        conn.send((ids, max_new))
+        rows, times, begin, other = conn.recv()
+        for row in rows:
+            steps = times[:len(row)]
+            latencies = [b - a for a, b in zip(steps, steps[1:])]
+            out.append(Session(row, steps[0] - begin if steps else 0.0, latencies))
+        wall += (times[-1] if times else begin) - begin  # the wave's generate ends with its last step
+        others.append(other)
+    return summarise("hf_batched", len(waves[0]), out, wall, max(others), 0.0, 1.0, float(len(waves[0])))
 
 
 # -- reporting ---------------------------------------------------------------------------------------
@@ -255,10 +277,11 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def summarise(method, sessions: list[Session], wall, other, mean_tree, tau, rows_per_forward) -> Result:
+def summarise(method, concurrency: int, sessions: list[Session], wall, other, mean_tree, tau,
+              rows_per_forward) -> Result:
     tokens = sum(len(s.token_ids) for s in sessions)
     lat = [x for s in sessions for x in s.token_latencies_s]
-    return Result(method, len(sessions), tokens, round(wall, 3), round(tokens / wall, 2),
+    return Result(method, concurrency, tokens, round(wall, 3), round(tokens / wall, 2),
                   round(percentile(lat, 0.5) * 1e3, 1), round(percentile(lat, 0.95) * 1e3, 1),
                   round(statistics.median(s.ttft_s for s in sessions) * 1e3, 1), round(mean_tree, 2),
                   round(tau, 2), round(rows_per_forward, 2), round(other, 2),
@@ -268,23 +291,26 @@ def summarise(method, sessions: list[Session], wall, other, mean_tree, tau, rows
 def markdown(results: list[Result], references: list[list[int]], args) -> str:
     by = {(r.method, r.sessions): r for r in results}
     lines = [f"SmolLM2-135M-Instruct, fp32, CPU, {args.threads} torch threads, greedy, max_new_tokens="
-             f"{args.max_new_tokens}, n-gram draft; n sessions = the first n prompts of {args.prompts.name}, "
-             "all at once. tok/s = aggregate; latency = per-token (after the first token), ms.", "",
+             f"{args.max_new_tokens}, n-gram draft; n concurrent clients, each running {args.waves} session(s) one "
+             f"after another (wave w = prompts w*n .. w*n+n-1 of {args.prompts.name}, cycling); HF: one left-padded "
+             "generate per wave, back to back. tok/s = aggregate; latency = per-token (after the first token), ms.", "",
              "| sessions | batched tok/s | one-at-a-time tok/s | HF batched tok/s | batched / one-at-a-time "
              "| batched / HF | batched p50 / p95 | one-at-a-time p50 / p95 | HF p50 / p95 | batched TTFT p50 "
-             "| mean tree (batched / 1-at-a-time) | rows per forward | identical to HF greedy |",
-             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
+             "| mean tree (batched / 1-at-a-time) | rows per forward | verifier busy | identical to HF greedy |",
+             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
     for n in args.sessions:
         b, o, h = by[("batched", n)], by[("one_at_a_time", n)], by[("hf_batched", n)]
-        same = sum(b.token_ids[i] == references[i] and o.token_ids[i] == references[i] for i in range(n))
+        total = len(b.token_ids)
+        same = sum(b.token_ids[j] == references[j % len(references)] and o.token_ids[j] == references[j % len(references)]
+                   for j in range(total))
         busy = " (busy)" if max(b.other_load, o.other_load, h.other_load) > 0.25 else ""
         lines.append(f"| {n}{busy} | {b.tokens_per_s:.1f} | {o.tokens_per_s:.1f} | {h.tokens_per_s:.1f} | "
                      f"{b.tokens_per_s / o.tokens_per_s:.2f}x | {b.tokens_per_s / h.tokens_per_s:.2f}x | "
                      f"{b.p50_ms:.0f} / {b.p95_ms:.0f} | {o.p50_ms:.0f} / {o.p95_ms:.0f} | "
                      f"{h.p50_ms:.0f} / {h.p95_ms:.0f} | {b.ttft_p50_ms:.0f} | {b.mean_tree:.1f} / {o.mean_tree:.1f} | "
-                     f"{b.rows_per_forward:.1f} | {same}/{n} |")
+                     f"{b.rows_per_forward:.1f} | {b.verifier_busy:.0%} | {same}/{total} |")
     lines += ["", "identical: batched and one-at-a-time tokens both equal to HF generate of that prompt alone. "
-              "(busy): other processes kept more than a quarter core busy during a run (see other_load in the JSON)."]
+              "(busy): other processes kept more than a quarter core busy during a run (see other_load in the JSON). verifier busy: the batched verifier's forward time / wall time."]
     return "\n".join(lines) + "\n"
 
 
@@ -294,6 +320,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sessions", default="1,2,4,8,16", help="concurrency levels")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--waves", type=int, default=1,
+                        help="sessions each client runs back to back (1: n sessions at once and done; more: a new "
+                             "session replaces each finished one, as in serving)")
     parser.add_argument("--prompts", type=pathlib.Path, default=HERE / "prompts.jsonl")
     parser.add_argument("--out", type=pathlib.Path, default=HERE / "results")
     parser.add_argument("--wait-idle", type=float, default=20.0,
@@ -307,44 +336,44 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     prompts = load_prompts(args.prompts, None, None)
-    if max(args.sessions) > len(prompts):
-        raise SystemExit(f"{args.prompts} has {len(prompts)} prompts; --sessions asks for {max(args.sessions)}")
     ctx = multiprocessing.get_context("spawn")
     conn, child = ctx.Pipe()
     worker = ctx.Process(target=_hf_worker_main, args=(child, args.threads), daemon=True)
     worker.start()
     conn.recv()
     tokenizer = load_tokenizer(None)
-    ids = [chat_ids(tokenizer, p["prompt"]) for p in prompts[:max(args.sessions)]]
-    references = [run_hf(conn, [i], args.max_new_tokens).token_ids[0] for i in ids]  # each prompt alone
+    ids = [chat_ids(tokenizer, p["prompt"]) for p in prompts[:max(args.sessions) * args.waves]]
+    references = [run_hf(conn, [[i]], args.max_new_tokens).token_ids[0] for i in ids]  # each prompt alone
     print(f"references done; prompt tokens {[len(i) for i in ids]}", file=sys.stderr, flush=True)
     results: list[Result] = []
     stacks = StackWorker(args.threads)
     for method in METHODS[:2]:  # warm-up
-        run_specsplit(method, stacks, prompts[:2], 8)
+        run_specsplit(method, stacks, [prompts[:2]], 8)
     for n in args.sessions:
         for method in METHODS:
             time.sleep(1.0)  # let the previous method's OpenMP team go idle
             wait_for_quiet(args.wait_idle)
             if method == "hf_batched":
-                result = run_hf(conn, ids[:n], args.max_new_tokens)
+                result = run_hf(conn, waves_of(ids, n, args.waves), args.max_new_tokens)
             else:
-                result = run_specsplit(method, stacks, prompts[:n], args.max_new_tokens)
+                result = run_specsplit(method, stacks, waves_of(prompts, n, args.waves), args.max_new_tokens)
             results.append(result)
             print(f"n={n} {method}: {result.tokens_per_s:.1f} tok/s, p50 {result.p50_ms:.0f} ms, "
                   f"p95 {result.p95_ms:.0f} ms, tree {result.mean_tree:.1f}, rows/fwd "
-                  f"{result.rows_per_forward:.1f}, think {result.think_ms:.0f} ms, other load {result.other_load:.2f}", file=sys.stderr, flush=True)
+                  f"{result.rows_per_forward:.1f}, think {result.think_ms:.0f} ms, verifier busy {result.verifier_busy:.0%}, "
+                  f"other load {result.other_load:.2f}", file=sys.stderr, flush=True)
     stacks.close()
     conn.send(None)
     worker.join(timeout=30)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"cpus": os.cpu_count(), "model": "SmolLM2-135M-Instruct", "dtype": "float32", "device": "cpu", "threads": args.threads,
-            "max_new_tokens": args.max_new_tokens, "torch": torch.__version__, "prompts": str(args.prompts),
+            "max_new_tokens": args.max_new_tokens, "waves": args.waves, "torch": torch.__version__, "prompts": str(args.prompts),
             "verifier": asdict(VerifierConfig()), "prompt_tokens": [len(i) for i in ids]}
-    (args.out / "concurrency.json").write_text(json.dumps(
+    name = "concurrency" if args.waves == 1 else f"concurrency_waves{args.waves}"
+    (args.out / f"{name}.json").write_text(json.dumps(
         {"meta": meta, "references": references, "results": [asdict(r) for r in results]}, indent=1))
     table = markdown(results, references, args)
-    (args.out / "concurrency.md").write_text("# Concurrent sessions: batched verification\n\n" + table)
+    (args.out / f"{name}.md").write_text("# Concurrent sessions: batched verification\n\n" + table)
     print(table)
 
 
