@@ -114,14 +114,14 @@ class StackWorker:
     """The services in child processes, as they would be deployed: the verifiers (batching, and
     max_batch=1) in one process, the edge side (n-gram draft + orchestrator for each) in another."""
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int, model_cpus: str = "", edge_cpus: str = ""):
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_verifier_main, args=(child, threads), daemon=True)
+        self.proc = ctx.Process(target=_verifier_main, args=(child, threads, model_cpus), daemon=True)
         self.proc.start()
         verifiers = self.conn.recv()  # {"batched": address, "one_at_a_time": address}
         self.edge_conn, child = ctx.Pipe()
-        self.edge = ctx.Process(target=_edge_main, args=(child, verifiers), daemon=True)
+        self.edge = ctx.Process(target=_edge_main, args=(child, verifiers, edge_cpus), daemon=True)
         self.edge.start()
         self.addresses = self.edge_conn.recv()  # method -> orchestrator address
 
@@ -140,9 +140,20 @@ class StackWorker:
         self.proc.join(timeout=30)
 
 
-def _verifier_main(conn, threads: int) -> None:
+def pin(cpus: str) -> None:
+    """Keep this process on the CPUs listed ("0", "0,1", "2-3"; "" = anywhere)."""
+    if cpus:
+        chosen = set()
+        for part in cpus.split(","):
+            lo, _, hi = part.partition("-")
+            chosen.update(range(int(lo), int(hi or lo) + 1))
+        os.sched_setaffinity(0, chosen)
+
+
+def _verifier_main(conn, threads: int, cpus: str = "") -> None:
     from specsplit.launch import start_verifier
 
+    pin(cpus)
     torch.set_num_threads(threads)
     loaded = load_model(None, "cpu", "float32")
     servers = {"batched": start_verifier(loaded, config=VerifierConfig()),
@@ -157,9 +168,10 @@ def _verifier_main(conn, threads: int) -> None:
         server.core.close()
 
 
-def _edge_main(conn, verifiers: dict[str, str]) -> None:
+def _edge_main(conn, verifiers: dict[str, str], cpus: str = "") -> None:
     from specsplit.launch import start_draft, start_orchestrator
 
+    pin(cpus)
     tokenizer = load_tokenizer(None)
     servers = []
     addresses = {}
@@ -244,7 +256,8 @@ def hf_batched(loaded, batch_ids: list[list[int]], max_new: int) -> tuple[list[l
     return rows, clock.times, begin
 
 
-def _hf_worker_main(conn, threads: int) -> None:
+def _hf_worker_main(conn, threads: int, cpus: str = "") -> None:
+    pin(cpus)
     torch.set_num_threads(threads)
     loaded = load_model(None, "cpu", "float32")
     conn.send("ready")
@@ -290,7 +303,9 @@ def summarise(method, concurrency: int, sessions: list[Session], wall, other, me
 
 def markdown(results: list[Result], references: list[list[int]], args) -> str:
     by = {(r.method, r.sessions): r for r in results}
-    lines = [f"SmolLM2-135M-Instruct, fp32, CPU, {args.threads} torch threads, greedy, max_new_tokens="
+    where = (f"; target processes (verifiers, HF) on CPU {args.model_cpus}, clients/orchestrator/draft on CPU "
+             f"{args.edge_cpus or 'any'}") if args.model_cpus else ""
+    lines = [f"SmolLM2-135M-Instruct, fp32, CPU, {args.threads} torch threads{where}, greedy, max_new_tokens="
              f"{args.max_new_tokens}, n-gram draft; n concurrent clients, each running {args.waves} session(s) one "
              f"after another (wave w = prompts w*n .. w*n+n-1 of {args.prompts.name}, cycling); HF: one left-padded "
              "generate per wave, back to back. tok/s = aggregate; latency = per-token (after the first token), ms.", "",
@@ -323,6 +338,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--waves", type=int, default=1,
                         help="sessions each client runs back to back (1: n sessions at once and done; more: a new "
                              "session replaces each finished one, as in serving)")
+    parser.add_argument("--model-cpus", default="",
+                        help="CPUs of the processes that run the target (the verifiers, HF generate), e.g. 0; '' = "
+                             "anywhere. With --edge-cpus, the edge side (clients, orchestrator, draft) cannot slow the "
+                             "verifier's forwards, as on separate machines")
+    parser.add_argument("--edge-cpus", default="", help="CPUs of the clients, orchestrator and draft, e.g. 1")
     parser.add_argument("--prompts", type=pathlib.Path, default=HERE / "prompts.jsonl")
     parser.add_argument("--out", type=pathlib.Path, default=HERE / "results")
     parser.add_argument("--wait-idle", type=float, default=20.0,
@@ -338,7 +358,8 @@ def main(argv=None) -> None:
     prompts = load_prompts(args.prompts, None, None)
     ctx = multiprocessing.get_context("spawn")
     conn, child = ctx.Pipe()
-    worker = ctx.Process(target=_hf_worker_main, args=(child, args.threads), daemon=True)
+    pin(args.edge_cpus)  # the clients
+    worker = ctx.Process(target=_hf_worker_main, args=(child, args.threads, args.model_cpus), daemon=True)
     worker.start()
     conn.recv()
     tokenizer = load_tokenizer(None)
@@ -346,7 +367,7 @@ def main(argv=None) -> None:
     references = [run_hf(conn, [[i]], args.max_new_tokens).token_ids[0] for i in ids]  # each prompt alone
     print(f"references done; prompt tokens {[len(i) for i in ids]}", file=sys.stderr, flush=True)
     results: list[Result] = []
-    stacks = StackWorker(args.threads)
+    stacks = StackWorker(args.threads, args.model_cpus, args.edge_cpus)
     for method in METHODS[:2]:  # warm-up
         run_specsplit(method, stacks, [prompts[:2]], 8)
     for n in args.sessions:
@@ -367,9 +388,10 @@ def main(argv=None) -> None:
     worker.join(timeout=30)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"cpus": os.cpu_count(), "model": "SmolLM2-135M-Instruct", "dtype": "float32", "device": "cpu", "threads": args.threads,
-            "max_new_tokens": args.max_new_tokens, "waves": args.waves, "torch": torch.__version__, "prompts": str(args.prompts),
+            "max_new_tokens": args.max_new_tokens, "waves": args.waves, "model_cpus": args.model_cpus,
+            "edge_cpus": args.edge_cpus, "torch": torch.__version__, "prompts": str(args.prompts),
             "verifier": asdict(VerifierConfig()), "prompt_tokens": [len(i) for i in ids]}
-    name = "concurrency" if args.waves == 1 else f"concurrency_waves{args.waves}"
+    name = "concurrency" + (f"_waves{args.waves}" if args.waves > 1 else "") + ("_split" if args.model_cpus else "")
     (args.out / f"{name}.json").write_text(json.dumps(
         {"meta": meta, "references": references, "results": [asdict(r) for r in results]}, indent=1))
     table = markdown(results, references, args)
