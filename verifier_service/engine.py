@@ -101,7 +101,7 @@ class BatchStats:
     forwards: int = 0
     rows: int = 0
     max_rows: int = 0  # most rows in one forward
-    tokens: int = 0  # padded tokens through the forwards
+    tokens: int = 0  # tokens through the forwards (packed: no padding)
     forward_ms: float = 0.0  # summed forward wall time
     think_ms: float = 0.0  # summed time from answering a session to its next Verify (what batch_wait_ms must cover)
     thinks: int = 0
