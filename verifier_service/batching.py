@@ -55,14 +55,9 @@ class AttentionGroup:
     out_rows: torch.Tensor  # [T_g] for each packed token of the group (in packed order): its row in the group
     out_offsets: torch.Tensor  # [T_g] and its offset in that row
     token_index: torch.Tensor  # [T_g] the packed indices of the group's tokens
+    first_slot: int | None = None  # s0 when the slots are s0, s0 + 1, ...: the group's K/V are a view, no copy
     dense: tuple[int, int] | None = None  # (first, last + 1) packed index when the group's rows are equally
     #                                       long and packed side by side: its queries are a view, no gather
-
-    @property
-    def contiguous(self) -> bool:
-        """Slots s0, s0 + 1, ...: the group's K/V are a view of the store, no copy."""
-        slots = self.slots.tolist()
-        return slots == list(range(slots[0], slots[0] + len(slots)))
 
 
 @dataclass(frozen=True)
@@ -74,18 +69,12 @@ class PackedBatch:
     #                                order the masks refer to; siblings share a depth, never a cache position)
     row_offsets: tuple[int, ...]  # [B + 1] row b's tokens are packed [row_offsets[b], row_offsets[b + 1])
     groups: tuple[AttentionGroup, ...]
+    max_slot: int  # the cache must hold slots 0..max_slot
+    kv_length: int  # and this many positions (the longest group's S_g)
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
-
-    @property
-    def max_slot(self) -> int:
-        return int(self.token_slots.max())
-
-    @property
-    def kv_length(self) -> int:
-        return max(g.kv_length for g in self.groups)
 
 
 def pack_rows(rows: list[Row], dtype: torch.dtype, device: torch.device | str = "cpu",
@@ -102,7 +91,8 @@ def pack_rows(rows: list[Row], dtype: torch.dtype, device: torch.device | str = 
     groups = tuple(_attention_group(rows, members, offsets, total, dtype, device)
                    for members in plan_groups([len(r) for r in rows], group_overhead))
     return PackedBatch(input_ids.to(device), positions[None].to(device), token_slots.to(device),
-                       cache_positions.to(device), tuple(offsets), groups)
+                       cache_positions.to(device), tuple(offsets), groups, max(r.slot for r in rows),
+                       max(g.kv_length for g in groups))
 
 
 def _attention_group(rows: list[Row], members: list[int], offsets: list[int], total: int, dtype: torch.dtype,
@@ -125,12 +115,14 @@ def _attention_group(rows: list[Row], members: list[int], offsets: list[int], to
     out_rows = torch.tensor([g for g, b in enumerate(members) for _ in range(len(rows[b]))], dtype=torch.long)
     out_offsets = torch.tensor([i for b in members for i in range(len(rows[b]))], dtype=torch.long)
     token_index = torch.tensor([offsets[b] + i for b in members for i in range(len(rows[b]))], dtype=torch.long)
+    slots = [rows[b].slot for b in members]
+    first_slot = slots[0] if slots == list(range(slots[0], slots[0] + len(slots))) else None
     side_by_side = members == list(range(members[0], members[-1] + 1))
     dense = (offsets[members[0]], offsets[members[-1] + 1]) if side_by_side and all(
         len(rows[b]) == q_len for b in members) else None
-    return AttentionGroup(tuple(members), torch.tensor([rows[b].slot for b in members], dtype=torch.long, device=device),
-                          kv_len, mask.to(device), query_index.to(device), out_rows.to(device), out_offsets.to(device),
-                          token_index.to(device), dense)
+    return AttentionGroup(tuple(members), torch.tensor(slots, dtype=torch.long, device=device), kv_len, mask.to(device),
+                          query_index.to(device), out_rows.to(device), out_offsets.to(device), token_index.to(device),
+                          first_slot, dense)
 
 
 def plan_groups(lengths: list[int], overhead_tokens: int) -> list[list[int]]:

@@ -169,8 +169,8 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     out = query.new_empty(total, heads, head_dim)  # [T, H, D]
     for group in groups:
         s, size = group.kv_length, len(group.rows)
-        if group.contiguous:  # a view, no copy
-            first = int(group.slots[0])
+        if group.first_slot is not None:  # a view, no copy
+            first = group.first_slot
             k, v = key[first:first + size, :, :s], value[first:first + size, :, :s]
         else:
             k, v = key[:, :, :s].index_select(0, group.slots), value[:, :, :s].index_select(0, group.slots)

@@ -54,6 +54,7 @@ def test_pack_rows_packs_tokens_and_masks_each_row_to_itself():
     assert packed.row_offsets == (0, 4, 6)
     (group,) = packed.groups
     assert group.rows == (0, 1) and group.slots.tolist() == [3, 0] and group.kv_length == 9
+    assert group.first_slot is None and group.dense is None  # slots 3, 0 are gathered; rows 4 and 2 padded
     assert group.query_index.tolist() == [[0, 1, 2, 3], [4, 5, 6, 6]]  # 6 = T: the zero padding query
     assert group.token_index.tolist() == [0, 1, 2, 3, 4, 5]
     assert list(zip(group.out_rows.tolist(), group.out_offsets.tolist())) == [(0, 0), (0, 1), (0, 2), (0, 3),
@@ -81,6 +82,8 @@ def test_a_long_prefill_chunk_gets_its_own_attention_group_but_shares_the_packed
     assert sorted(g.rows for g in packed.groups) == [(0, 2), (1,)]
     dense = {g.rows: g.dense for g in packed.groups}
     assert dense[(1,)] == (3, 67) and dense[(0, 2)] is None  # a lone row is a view; unequal rows are gathered
+    assert {g.rows: g.first_slot for g in packed.groups} == {(1,): 1, (0, 2): None}
+    assert packed.max_slot == 2 and packed.kv_length == 64
     covered = sorted(i for g in packed.groups for i in g.token_index.tolist())
     assert covered == list(range(packed.num_tokens))  # every packed token's attention is computed exactly once
 
