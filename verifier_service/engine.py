@@ -29,16 +29,14 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 from opentelemetry import trace
 
 from specsplit.accept import Verdict, accept_greedy
 from specsplit.config import VerifierConfig
-from specsplit.features import Features
 from specsplit.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from specsplit.features import Features
 from specsplit.models import LoadedModel
 from specsplit.sampling import SamplingParams, accept_sampled, distribution, round_seed
 from specsplit.tree import TokenTree
@@ -46,101 +44,12 @@ from verifier_service import offload
 from verifier_service.batching import Row, cost_shares, pack_rows, prefill_row, verify_row
 from verifier_service.scheduler import Scheduler, Work
 from verifier_service.slots import PACKED_MASK, SlotBatch, SlotStore, use_packed_attention
+from verifier_service.work import (BatchStats, ExportWork, ImportWork, PrefillResult, PrefillWork, ReleaseWork,
+                                   TargetSession, VerifyResult, VerifyWork)
 
 tracer = trace.get_tracer(__name__)
 
 ACTIVE_WINDOW_S = 1.0  # a session answered this recently is expected back within batch_wait_ms
-
-
-@dataclass(eq=False)
-class TargetSession:
-    token_ids: list[int]  # [committed_length] prompt + generated
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    generator: torch.Generator | None = None  # the session's RNG (sampling only)
-    lock: threading.Lock = field(default_factory=threading.Lock)  # one Prefill/Verify of a session at a time
-    slot: int = -1  # its KV slot, taken on the model thread by the first Prefill tick
-    released: bool = False
-    answered_at: float = 0.0  # perf_counter when its last request was answered
-    return_features: bool = False  # answer each Prefill/Verify with the features of the newly cached positions
-    medusa: bool = False  # answer each Prefill/Verify with a Medusa proposal tree
-
-    @property
-    def needs_hidden(self) -> bool:
-        return self.return_features or self.medusa
-
-    @property
-    def committed_length(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def cached_length(self) -> int:
-        return len(self.token_ids) - 1  # the pending token is not cached
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    verdict: Verdict
-    committed_length: int
-    verify_ms: float  # arrival to answer: queueing + forward + acceptance
-    queue_ms: float = 0.0  # waiting for the tick this request rode in
-    cost_ms: float = 0.0  # this request's share of its forward (fixed cost split by rows, the rest by tokens)
-    features: Features | None = None  # the newly cached positions' features (root + accepted rows), if asked
-    proposal: TokenTree | None = None  # Medusa's tree for the next Verify, if asked
-
-
-class PrefillResult(NamedTuple):
-    committed_length: int
-    prefill_ms: float
-    features: Features | None = None  # the cached prompt positions' features, if asked
-    proposal: TokenTree | None = None  # Medusa's tree for the first Verify, if asked
-
-
-@dataclass
-class BatchStats:
-    ticks: int = 0
-    forwards: int = 0
-    rows: int = 0
-    max_rows: int = 0  # most rows in one forward
-    tokens: int = 0  # tokens through the forwards (packed: no padding)
-    forward_ms: float = 0.0  # summed forward wall time
-    think_ms: float = 0.0  # summed time from answering a session to its next Verify (what batch_wait_ms must cover)
-    thinks: int = 0
-
-    @property
-    def mean_think_ms(self) -> float:
-        return self.think_ms / max(self.thinks, 1)
-
-
-@dataclass(eq=False)
-class _Prefill(Work):
-    session: TargetSession | None = None
-    token_ids: list[int] = field(default_factory=list)  # [P-1] what to cache: the prompt less its last token
-    done: int = 0
-    hidden: list = field(default_factory=list)  # per chunk [C, H] final hidden states (features/Medusa only)
-
-
-@dataclass(eq=False)
-class _Verify(Work):
-    session: TargetSession | None = None
-    tree: TokenTree = field(default_factory=TokenTree.empty)
-    max_commit: int = 0
-
-
-@dataclass(eq=False)
-class _Release(Work):
-    session: TargetSession | None = None
-
-
-@dataclass(eq=False)
-class _Export(Work):
-    session: TargetSession | None = None
-    dtype: torch.dtype | None = None  # the blob's dtype (None: the cache's own)
-
-
-@dataclass(eq=False)
-class _Import(Work):
-    session: TargetSession | None = None
-    layers: offload.Layers = field(default_factory=list)  # per layer [H_kv, L, D] keys and values (CPU)
 
 
 class TargetEngine:
@@ -199,7 +108,7 @@ class TargetEngine:
         to_cache = list(prompt_token_ids[:-1])
         session = self._admit(session_id, prompt_token_ids, sampling, len(to_cache))
         session.return_features, session.medusa = return_features, medusa
-        work = _Prefill(session, min(len(to_cache), self.config.prefill_chunk), session=session, token_ids=to_cache)
+        work = PrefillWork(session, min(len(to_cache), self.config.prefill_chunk), session=session, token_ids=to_cache)
         try:
             with session.lock, tracer.start_as_current_span("specsplit.verifier.prefill") as span:
                 span.set_attribute("gen_ai.usage.input_tokens", len(prompt_token_ids))
@@ -271,7 +180,7 @@ class TargetEngine:
                 )
             with tracer.start_as_current_span("specsplit.verifier.verify") as span:
                 span.set_attribute("specsplit.num_draft_tokens", len(tree))
-                work = _Verify(session, len(tree) + 1, session=session, tree=tree, max_commit=max_commit)
+                work = VerifyWork(session, len(tree) + 1, session=session, tree=tree, max_commit=max_commit)
                 result: VerifyResult = self._scheduler.submit(work).result()
                 span.set_attribute("specsplit.num_accepted", len(result.verdict.accepted_nodes))
                 span.set_attribute("specsplit.queue_ms", result.queue_ms)
@@ -287,7 +196,7 @@ class TargetEngine:
             session.released = True
             # Queued under the lock: a Prefill admitted after this Release is queued after it, so the
             # slot is free again by the time that Prefill needs one.
-            self._scheduler.submit(_Release(session, 0, session=session))
+            self._scheduler.submit(ReleaseWork(session, 0, session=session))
         return True
 
     def export_session(self, session_id: str, expected_committed_length: int, dtype: str = "") -> bytes:
@@ -303,7 +212,7 @@ class TargetEngine:
             with tracer.start_as_current_span("specsplit.verifier.export") as span:
                 span.set_attribute("specsplit.committed_length", session.committed_length)
                 # The copy is taken on the model thread, between forwards; serializing it is not.
-                layers = self._scheduler.submit(_Export(session, 0, session=session, dtype=target)).result()
+                layers = self._scheduler.submit(ExportWork(session, 0, session=session, dtype=target)).result()
         return offload.layers_to_bytes(layers)
 
     def import_session(self, session_id: str, token_ids: list[int], blob: bytes, sampling: SamplingParams | None = None,
@@ -325,7 +234,7 @@ class TargetEngine:
         try:
             with session.lock, tracer.start_as_current_span("specsplit.verifier.import") as span:
                 span.set_attribute("specsplit.committed_length", len(token_ids))
-                self._scheduler.submit(_Import(session, 0, session=session, layers=layers)).result()
+                self._scheduler.submit(ImportWork(session, 0, session=session, layers=layers)).result()
         except BaseException:
             self.release(session_id)
             raise
@@ -339,16 +248,16 @@ class TargetEngine:
         owners: list[Work] = []
         for work in works:
             session = work.session
-            if isinstance(work, _Release):
+            if isinstance(work, ReleaseWork):
                 if session.slot >= 0:
                     self._store.release(session.slot)
                     session.slot = -1
                 work.future.set_result(True)
             elif session.released:
                 self._fail(work, NotFound("the session was released while this request waited"))
-            elif isinstance(work, (_Export, _Import)):
+            elif isinstance(work, (ExportWork, ImportWork)):
                 self._move_kv(work)
-            elif isinstance(work, _Prefill):
+            elif isinstance(work, PrefillWork):
                 if session.slot < 0:
                     try:
                         session.slot = self._store.acquire()
@@ -372,7 +281,7 @@ class TargetEngine:
             return continuing
         start = time.perf_counter()
         try:
-            logits, hidden = self._forward(rows, [isinstance(w, _Verify) for w in owners],
+            logits, hidden = self._forward(rows, [isinstance(w, VerifyWork) for w in owners],
                                            any(w.session.needs_hidden for w in owners))
         except BaseException as err:  # nothing was committed: every session stays as it was
             for work in owners:
@@ -383,7 +292,7 @@ class TargetEngine:
         shares = cost_shares([len(r) for r in rows], self.config.forward_overhead_tokens, forward_ms)
         for b, work in enumerate(owners):
             row_hidden = hidden[b] if hidden is not None and work.session.needs_hidden else None
-            if isinstance(work, _Prefill):
+            if isinstance(work, PrefillWork):
                 if row_hidden is not None:
                     work.hidden.append(row_hidden)  # [C, H]
                 self._advance_prefill(work, len(rows[b]), continuing)
@@ -400,11 +309,11 @@ class TargetEngine:
                                                 (tick_start - work.enqueued) * 1e3, shares[b], features, proposal))
         return continuing
 
-    def _move_kv(self, work: _Export | _Import) -> None:
+    def _move_kv(self, work: ExportWork | ImportWork) -> None:
         """Copy a session's cached K/V out of its slot (export), or into a fresh slot (import)."""
         session = work.session
         try:
-            if isinstance(work, _Export):
+            if isinstance(work, ExportWork):
                 result = self._store.read_session(session.slot, session.cached_length, self._num_layers, work.dtype)
             else:
                 if session.slot < 0:
@@ -466,7 +375,7 @@ class TargetEngine:
             hidden = [final[offsets[b]:offsets[b + 1]] for b in range(len(rows))]
         return per_row, hidden
 
-    def _accept(self, work: _Verify, logits: torch.Tensor) -> Verdict:
+    def _accept(self, work: VerifyWork, logits: torch.Tensor) -> Verdict:
         """logits: [N+1, V] for root + nodes. Accept, compact the slot, commit."""
         session, tree = work.session, work.tree
         if session.sampling.greedy:
@@ -481,7 +390,7 @@ class TargetEngine:
         session.token_ids.extend(verdict.committed_token_ids)
         return verdict
 
-    def _advance_prefill(self, work: _Prefill, cached: int, continuing: list[Work]) -> None:
+    def _advance_prefill(self, work: PrefillWork, cached: int, continuing: list[Work]) -> None:
         work.done += cached
         with self._sessions_lock:
             self._queued_prefill_tokens -= cached
@@ -500,7 +409,7 @@ class TargetEngine:
             work.future.set_result(PrefillResult(session.committed_length, _ms_since(work.enqueued), features, proposal))
 
     def _fail(self, work: Work, err: BaseException) -> None:
-        if isinstance(work, _Prefill):
+        if isinstance(work, PrefillWork):
             with self._sessions_lock:
                 self._queued_prefill_tokens -= len(work.token_ids) - work.done
             work.done = len(work.token_ids)

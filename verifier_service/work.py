@@ -1,0 +1,111 @@
+"""What the verifier's model thread works on: sessions, the work items of a tick, their results, stats.
+
+Requests arrive on gRPC threads (``verifier_service.engine.TargetEngine``) and become work items that
+the scheduler (``verifier_service.scheduler``) gathers into ticks; each is answered with its result.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from specsplit.accept import Verdict
+from specsplit.features import Features
+from specsplit.sampling import SamplingParams
+from specsplit.tree import TokenTree
+from verifier_service import offload
+from verifier_service.scheduler import Work
+
+
+@dataclass(eq=False)
+class TargetSession:
+    token_ids: list[int]  # [committed_length] prompt + generated
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    generator: torch.Generator | None = None  # the session's RNG (sampling only)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one Prefill/Verify of a session at a time
+    slot: int = -1  # its KV slot, taken on the model thread by the first Prefill tick
+    released: bool = False
+    answered_at: float = 0.0  # perf_counter when its last request was answered
+    return_features: bool = False  # answer each Prefill/Verify with the features of the newly cached positions
+    medusa: bool = False  # answer each Prefill/Verify with a Medusa proposal tree
+
+    @property
+    def needs_hidden(self) -> bool:
+        return self.return_features or self.medusa
+
+    @property
+    def committed_length(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def cached_length(self) -> int:
+        return len(self.token_ids) - 1  # the pending token is not cached
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    verdict: Verdict
+    committed_length: int
+    verify_ms: float  # arrival to answer: queueing + forward + acceptance
+    queue_ms: float = 0.0  # waiting for the tick this request rode in
+    cost_ms: float = 0.0  # this request's share of its forward (fixed cost split by rows, the rest by tokens)
+    features: Features | None = None  # the newly cached positions' features (root + accepted rows), if asked
+    proposal: TokenTree | None = None  # Medusa's tree for the next Verify, if asked
+
+
+class PrefillResult(NamedTuple):
+    committed_length: int
+    prefill_ms: float
+    features: Features | None = None  # the cached prompt positions' features, if asked
+    proposal: TokenTree | None = None  # Medusa's tree for the first Verify, if asked
+
+
+@dataclass
+class BatchStats:
+    ticks: int = 0
+    forwards: int = 0
+    rows: int = 0
+    max_rows: int = 0  # most rows in one forward
+    tokens: int = 0  # tokens through the forwards (packed: no padding)
+    forward_ms: float = 0.0  # summed forward wall time
+    think_ms: float = 0.0  # summed time from answering a session to its next Verify (what batch_wait_ms must cover)
+    thinks: int = 0
+
+    @property
+    def mean_think_ms(self) -> float:
+        return self.think_ms / max(self.thinks, 1)
+
+
+@dataclass(eq=False)
+class PrefillWork(Work):
+    session: TargetSession | None = None
+    token_ids: list[int] = field(default_factory=list)  # [P-1] what to cache: the prompt less its last token
+    done: int = 0
+    hidden: list = field(default_factory=list)  # per chunk [C, H] final hidden states (features/Medusa only)
+
+
+@dataclass(eq=False)
+class VerifyWork(Work):
+    session: TargetSession | None = None
+    tree: TokenTree = field(default_factory=TokenTree.empty)
+    max_commit: int = 0
+
+
+@dataclass(eq=False)
+class ReleaseWork(Work):
+    session: TargetSession | None = None
+
+
+@dataclass(eq=False)
+class ExportWork(Work):
+    session: TargetSession | None = None
+    dtype: torch.dtype | None = None  # the blob's dtype (None: the cache's own)
+
+
+@dataclass(eq=False)
+class ImportWork(Work):
+    session: TargetSession | None = None
+    layers: offload.Layers = field(default_factory=list)  # per layer [H_kv, L, D] keys and values (CPU)
