@@ -97,7 +97,7 @@ def pack_rows(rows: list[Row], dtype: torch.dtype, device: torch.device | str = 
 
 def _attention_group(rows: list[Row], members: list[int], offsets: list[int], total: int, dtype: torch.dtype,
                      device) -> AttentionGroup:
-    members = sorted(members)  # slot order where possible: contiguous slots are a view
+    members = sorted(members, key=lambda b: (rows[b].slot, b))  # slot order: contiguous slots are a view
     q_len = max(len(rows[b]) for b in members)
     kv_len = max(rows[b].start for b in members) + q_len  # S_g
     allowed = torch.zeros(len(members), q_len, kv_len, dtype=torch.bool)  # [G, Q_g, S_g]

@@ -279,6 +279,8 @@ class TargetEngine:
         continuing: list[Work] = []
         if not rows:
             return continuing
+        by_slot = sorted(range(len(rows)), key=lambda b: rows[b].slot)  # contiguous slots: K/V views, no copy
+        rows, owners = [rows[b] for b in by_slot], [owners[b] for b in by_slot]
         start = time.perf_counter()
         try:
             logits, hidden = self._forward(rows, [isinstance(w, VerifyWork) for w in owners],

@@ -149,7 +149,16 @@ class SlotBatch(Cache):
     def __init__(self, store: SlotStore, packed: PackedBatch, num_layers: int):
         self.store = store
         self.packed = packed
+        self._folded: dict[int, torch.Tensor] = {}
         super().__init__(layers=[_SlotLayer(self, i) for i in range(num_layers)])
+
+    def folded_mask(self, group: int, rep: int) -> torch.Tensor:
+        """Group ``group``'s mask for ``rep`` query heads per K/V head folded into the query rows:
+        [G, 1, rep * Q_g, S_g] (row j * Q_g + i is query i of the j-th head); built once per forward."""
+        if group not in self._folded:
+            mask = self.packed.groups[group].attention_mask  # [G, 1, Q_g, S_g]
+            self._folded[group] = mask.repeat(1, 1, rep, 1) if rep > 1 else mask
+        return self._folded[group]
 
 
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -164,10 +173,12 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     heads, total, head_dim = query.shape[1:]
+    kv_heads = key.shape[1]
+    rep = heads // kv_heads  # query heads per K/V head (GQA)
     groups = specsplit_batch.packed.groups
     padded = None  # [H, T + 1, D] the queries and one zero query (T) for padding, built once if needed
     out = query.new_empty(total, heads, head_dim)  # [T, H, D]
-    for group in groups:
+    for i, group in enumerate(groups):
         s, size = group.kv_length, len(group.rows)
         if group.first_slot is not None:  # a view, no copy
             first = group.first_slot
@@ -181,8 +192,12 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
             if padded is None:
                 padded = torch.cat([query[0], query.new_zeros(heads, 1, head_dim)], dim=1)
             q = padded[:, group.query_index].transpose(0, 1)  # [G, H, Q_g, D]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.attention_mask, scale=scaling,
-                                           enable_gqa=k.shape[1] != heads)  # [G, H, Q_g, D]
+        g, q_len = q.shape[0], q.shape[2]
+        # GQA without copying K/V: the query heads that share a K/V head become rows of one query block,
+        # [G, H, Q_g, D] -> [G, H_kv, rep * Q_g, D] (HF's order: query head h reads K/V head h // rep).
+        q = q.reshape(g, kv_heads, rep * q_len, head_dim)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=specsplit_batch.folded_mask(i, rep),
+                                           scale=scaling).view(g, heads, q_len, head_dim)  # [G, H, Q_g, D]
         if group.dense is not None:
             if len(groups) == 1:
                 return o.transpose(1, 2).reshape(1, total, heads, head_dim), None

@@ -53,18 +53,18 @@ def test_pack_rows_packs_tokens_and_masks_each_row_to_itself():
     assert packed.token_positions.tolist() == [5, 6, 7, 8, 2, 3]  # nodes 0 and 1 share a depth, not a cache position
     assert packed.row_offsets == (0, 4, 6)
     (group,) = packed.groups
-    assert group.rows == (0, 1) and group.slots.tolist() == [3, 0] and group.kv_length == 9
-    assert group.first_slot is None and group.dense is None  # slots 3, 0 are gathered; rows 4 and 2 padded
-    assert group.query_index.tolist() == [[0, 1, 2, 3], [4, 5, 6, 6]]  # 6 = T: the zero padding query
-    assert group.token_index.tolist() == [0, 1, 2, 3, 4, 5]
-    assert list(zip(group.out_rows.tolist(), group.out_offsets.tolist())) == [(0, 0), (0, 1), (0, 2), (0, 3),
-                                                                               (1, 0), (1, 1)]
+    assert group.rows == (1, 0) and group.slots.tolist() == [0, 3] and group.kv_length == 9  # in slot order
+    assert group.first_slot is None and group.dense is None  # slots 0, 3 are gathered; rows 2 and 4 padded
+    assert group.query_index.tolist() == [[4, 5, 6, 6], [0, 1, 2, 3]]  # 6 = T: the zero padding query
+    assert group.token_index.tolist() == [4, 5, 0, 1, 2, 3]
+    assert list(zip(group.out_rows.tolist(), group.out_offsets.tolist())) == [(0, 0), (0, 1), (1, 0), (1, 1),
+                                                                               (1, 2), (1, 3)]
     allowed = group.attention_mask[:, 0] == 0  # [G, Q, S], S = 5 + 4
     assert allowed.shape == (2, 4, 9)
-    assert allowed[0, 3].tolist() == [True] * 5 + [True, True, False, True]  # node 2: prefix, root, node 0, itself
-    assert allowed[0, 2].tolist() == [True] * 5 + [True, False, True, False]  # node 1: prefix, root, itself
-    assert allowed[1, 1].tolist() == [True, True, True, True] + [False] * 5  # prefix 2 + causal chunk
-    assert allowed[1, 2].tolist() == [False] * 4 + [True] + [False] * 4  # padding sees only its own key
+    assert allowed[1, 3].tolist() == [True] * 5 + [True, True, False, True]  # node 2: prefix, root, node 0, itself
+    assert allowed[1, 2].tolist() == [True] * 5 + [True, False, True, False]  # node 1: prefix, root, itself
+    assert allowed[0, 1].tolist() == [True, True, True, True] + [False] * 5  # prefix 2 + causal chunk
+    assert allowed[0, 2].tolist() == [False] * 4 + [True] + [False] * 4  # padding sees only its own key
 
 
 def test_pack_rows_never_lets_a_row_see_past_its_own_prefix():
