@@ -11,9 +11,10 @@ max_batch=1; and once as a single left-padded HF generate(do_sample=False) over 
 (in a third child process, so each process has one OpenMP team). Greedy, fp32, CPU, all on one machine.
 The methods take turns, never overlap.
 
-With --waves W each client runs W sessions back to back (the next W-1 groups of n prompts, cycling
-through the file), so a finished session's place is taken at once, as on a serving system; HF runs
-the same W groups as W batched generates, one after another (static batching, as a user of generate
+With --waves W, W groups of n prompts (cycling through the file) wait in one queue and each of the n
+clients takes the next request as soon as its session ends, so n sessions stay in flight until the
+queue runs dry and a finished session's place is taken at once, as on a serving system; HF runs the
+same W groups as W batched generates, one after another (static batching, as a user of generate
 would). One wave shows a single burst, where the slowest session sets the wall time; more waves show
 sustained serving.
 
@@ -34,6 +35,7 @@ import json
 import multiprocessing
 import os
 import pathlib
+import queue
 import statistics
 import sys
 import threading
@@ -79,17 +81,22 @@ class Result:
     rows_per_forward: float  # verifier forwards' mean rows (specsplit only)
     other_load: float  # cores other processes kept busy during the run
     think_ms: float = 0.0  # mean time from the verifier's answer to the session's next Verify (specsplit only)
+    repeat: int = 0  # which of the --repeats runs
     verifier_busy: float = 0.0  # fraction of the wall time the verifier spent in forwards (specsplit only)
     token_ids: list[list[int]] = field(default_factory=list)
 
 
 # -- specsplit ---------------------------------------------------------------------------------------
-def one_client(address: str, prompts: list[str], max_new: int, start: threading.Barrier, out: list, i: int) -> None:
-    """One of the n concurrent clients: its prompts one after another (a new session as soon as the last ended)."""
-    sessions = []
+def one_client(address: str, requests: queue.SimpleQueue, max_new: int, start: threading.Barrier, out: list) -> None:
+    """One of the n concurrent clients: takes the next (index, prompt) from the shared queue as soon as its
+    last session ended, until the queue is empty; out[index] = that session."""
     with Client(address) as client:
         start.wait()
-        for prompt in prompts:
+        while True:
+            try:
+                j, prompt = requests.get_nowait()
+            except queue.Empty:
+                break
             begin = last = time.perf_counter()
             tokens: list[int] = []
             latencies: list[float] = []
@@ -106,8 +113,7 @@ def one_client(address: str, prompts: list[str], max_new: int, start: threading.
                         latencies += [(now - last) / len(chunk.token_ids)] * len(chunk.token_ids)
                     tokens += chunk.token_ids
                     last = now
-            sessions.append(Session(tokens, ttft, latencies, rounds, drafted))
-    out[i] = sessions
+            out[j] = Session(tokens, ttft, latencies, rounds, drafted)
 
 
 class StackWorker:
@@ -188,18 +194,20 @@ def _edge_main(conn, verifiers: dict[str, str], cpus: str = "") -> None:
 
 
 def waves_of(prompts: list, n: int, waves: int) -> list[list]:
-    """Wave w is prompts[w*n : (w+1)*n] (cycling through the list): client i runs item i of every wave."""
+    """Wave w is prompts[w*n : (w+1)*n] (cycling through the list); the clients take requests wave by wave."""
     return [[prompts[(w * n + i) % len(prompts)] for i in range(n)] for w in range(waves)]
 
 
 def run_specsplit(method: str, stacks: StackWorker, waves: list[list[dict]], max_new: int) -> Result:
     n = len(waves[0])
     forwards, rows, stack_cpu, thinks, think_ms, _, forward_ms = stacks.stats(method)[:7]
-    out: list = [None] * n
+    requests: queue.SimpleQueue = queue.SimpleQueue()  # wave by wave: request j = w * n + i
+    for j, request in enumerate(r for wave in waves for r in wave):
+        requests.put((j, request["prompt"]))
+    out: list = [None] * (n * len(waves))
     start = threading.Barrier(n + 1)
     address = stacks.addresses[method]
-    threads = [threading.Thread(target=one_client, args=(address, [w[i]["prompt"] for w in waves], max_new, start, out, i))
-               for i in range(n)]
+    threads = [threading.Thread(target=one_client, args=(address, requests, max_new, start, out)) for _ in range(n)]
     for t in threads:
         t.start()
     busy, cpu = machine_busy_s(), sum(os.times()[:2])
@@ -213,7 +221,7 @@ def run_specsplit(method: str, stacks: StackWorker, waves: list[list[dict]], max
     own = sum(os.times()[:2]) - cpu + stack_cpu_after - stack_cpu
     other = max(0.0, machine_busy_s() - busy - own) / wall
     rows_per_forward = (rows_after - rows) / max(forwards_after - forwards, 1)
-    sessions = [s for w in range(len(waves)) for s in (client[w] for client in out)]  # wave by wave
+    sessions = out  # wave by wave
     rounds = sum(s.rounds for s in sessions)
     result = summarise(method, n, sessions, wall, other, sum(s.draft_tokens for s in sessions) / rounds,
                        sum(len(s.token_ids) for s in sessions) / rounds, rows_per_forward)
@@ -301,18 +309,31 @@ def summarise(method, concurrency: int, sessions: list[Session], wall, other, me
                   token_ids=[s.token_ids for s in sessions])
 
 
+def median_runs(results: list[Result]) -> dict[tuple[str, int], Result]:
+    """(method, sessions) -> the run with the median tokens/s over the repeats (the lower middle for even)."""
+    runs: dict[tuple[str, int], list[Result]] = {}
+    for r in results:
+        runs.setdefault((r.method, r.sessions), []).append(r)
+    return {key: sorted(rs, key=lambda r: r.tokens_per_s)[(len(rs) - 1) // 2] for key, rs in runs.items()}
+
+
 def markdown(results: list[Result], references: list[list[int]], args) -> str:
-    by = {(r.method, r.sessions): r for r in results}
+    by = median_runs(results)
+    repeats = max(r.repeat for r in results) + 1
     where = (f"; target processes (verifiers, HF) on CPU {args.model_cpus}, clients/orchestrator/draft on CPU "
              f"{args.edge_cpus or 'any'}") if args.model_cpus else ""
     lines = [f"SmolLM2-135M-Instruct, fp32, CPU, {args.threads} torch threads{where}, greedy, max_new_tokens="
-             f"{args.max_new_tokens}, n-gram draft; n concurrent clients, each running {args.waves} session(s) one "
-             f"after another (wave w = prompts w*n .. w*n+n-1 of {args.prompts.name}, cycling); HF: one left-padded "
-             "generate per wave, back to back. tok/s = aggregate; latency = per-token (after the first token), ms.", "",
+             f"{args.max_new_tokens}, n-gram draft; n concurrent clients taking {args.waves} wave(s) of n requests from one queue, "
+             f"each the next request as soon as its session ends (wave w = prompts w*n .. w*n+n-1 of "
+             f"{args.prompts.name}, cycling); HF: one left-padded "
+             "generate per wave, back to back. tok/s = aggregate; latency = per-token (after the first token), ms."
+             + (f" Each method ran {repeats} times, taking turns; the table shows each method's median run, the "
+                "last column every run's ratios in order." if repeats > 1 else ""), "",
              "| sessions | batched tok/s | one-at-a-time tok/s | HF batched tok/s | batched / one-at-a-time "
              "| batched / HF | batched p50 / p95 | one-at-a-time p50 / p95 | HF p50 / p95 | batched TTFT p50 "
-             "| mean tree (batched / 1-at-a-time) | rows per forward | verifier busy | identical to HF greedy |",
-             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
+             "| mean tree (batched / 1-at-a-time) | rows per forward | verifier busy | identical to HF greedy |"
+             + (" batched / one-at-a-time, batched / HF, each repeat |" if repeats > 1 else ""),
+             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|" + ("---|" if repeats > 1 else "")]
     for n in args.sessions:
         b, o, h = by[("batched", n)], by[("one_at_a_time", n)], by[("hf_batched", n)]
         total = len(b.token_ids)
@@ -323,10 +344,19 @@ def markdown(results: list[Result], references: list[list[int]], args) -> str:
                      f"{b.tokens_per_s / o.tokens_per_s:.2f}x | {b.tokens_per_s / h.tokens_per_s:.2f}x | "
                      f"{b.p50_ms:.0f} / {b.p95_ms:.0f} | {o.p50_ms:.0f} / {o.p95_ms:.0f} | "
                      f"{h.p50_ms:.0f} / {h.p95_ms:.0f} | {b.ttft_p50_ms:.0f} | {b.mean_tree:.1f} / {o.mean_tree:.1f} | "
-                     f"{b.rows_per_forward:.1f} | {b.verifier_busy:.0%} | {same}/{total} |")
+                     f"{b.rows_per_forward:.1f} | {b.verifier_busy:.0%} | {same}/{total} |"
+                     + (f" {each_repeat(results, n)} |" if repeats > 1 else ""))
     lines += ["", "identical: batched and one-at-a-time tokens both equal to HF generate of that prompt alone. "
               "(busy): other processes kept more than a quarter core busy during a run (see other_load in the JSON). verifier busy: the batched verifier's forward time / wall time."]
     return "\n".join(lines) + "\n"
+
+
+def each_repeat(results: list[Result], n: int) -> str:
+    """'b/o, b/h' per repeat at concurrency n, e.g. '2.71, 1.90; 2.40, 1.85'."""
+    run = {(r.method, r.repeat): r.tokens_per_s for r in results if r.sessions == n}
+    repeats = sorted({r for _, r in run})
+    return "; ".join(f"{run['batched', r] / run['one_at_a_time', r]:.2f}, {run['batched', r] / run['hf_batched', r]:.2f}"
+                     for r in repeats)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -343,6 +373,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "anywhere. With --edge-cpus, the edge side (clients, orchestrator, draft) cannot slow the "
                              "verifier's forwards, as on separate machines")
     parser.add_argument("--edge-cpus", default="", help="CPUs of the clients, orchestrator and draft, e.g. 1")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every method this many times per concurrency, taking turns, and report each method's "
+                             "median run: the machine's speed drifts by 10-20%% between minutes")
     parser.add_argument("--prompts", type=pathlib.Path, default=HERE / "prompts.jsonl")
     parser.add_argument("--out", type=pathlib.Path, default=HERE / "results")
     parser.add_argument("--wait-idle", type=float, default=20.0,
@@ -370,25 +403,25 @@ def main(argv=None) -> None:
     stacks = StackWorker(args.threads, args.model_cpus, args.edge_cpus)
     for method in METHODS[:2]:  # warm-up
         run_specsplit(method, stacks, [prompts[:2]], 8)
-    for n in args.sessions:
-        for method in METHODS:
-            time.sleep(1.0)  # let the previous method's OpenMP team go idle
-            wait_for_quiet(args.wait_idle)
-            if method == "hf_batched":
-                result = run_hf(conn, waves_of(ids, n, args.waves), args.max_new_tokens)
-            else:
-                result = run_specsplit(method, stacks, waves_of(prompts, n, args.waves), args.max_new_tokens)
-            results.append(result)
-            print(f"n={n} {method}: {result.tokens_per_s:.1f} tok/s, p50 {result.p50_ms:.0f} ms, "
-                  f"p95 {result.p95_ms:.0f} ms, tree {result.mean_tree:.1f}, rows/fwd "
-                  f"{result.rows_per_forward:.1f}, think {result.think_ms:.0f} ms, verifier busy {result.verifier_busy:.0%}, "
-                  f"other load {result.other_load:.2f}", file=sys.stderr, flush=True)
+    for n, repeat, method in ((n, r, m) for n in args.sessions for r in range(args.repeats) for m in METHODS):
+        time.sleep(1.0)  # let the previous method's OpenMP team go idle
+        wait_for_quiet(args.wait_idle)
+        if method == "hf_batched":
+            result = run_hf(conn, waves_of(ids, n, args.waves), args.max_new_tokens)
+        else:
+            result = run_specsplit(method, stacks, waves_of(prompts, n, args.waves), args.max_new_tokens)
+        result.repeat = repeat
+        results.append(result)
+        print(f"n={n} #{repeat} {method}: {result.tokens_per_s:.1f} tok/s, p50 {result.p50_ms:.0f} ms, "
+              f"p95 {result.p95_ms:.0f} ms, tree {result.mean_tree:.1f}, rows/fwd "
+              f"{result.rows_per_forward:.1f}, think {result.think_ms:.0f} ms, verifier busy {result.verifier_busy:.0%}, "
+              f"other load {result.other_load:.2f}", file=sys.stderr, flush=True)
     stacks.close()
     conn.send(None)
     worker.join(timeout=30)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"cpus": os.cpu_count(), "model": "SmolLM2-135M-Instruct", "dtype": "float32", "device": "cpu", "threads": args.threads,
-            "max_new_tokens": args.max_new_tokens, "waves": args.waves, "model_cpus": args.model_cpus,
+            "max_new_tokens": args.max_new_tokens, "waves": args.waves, "repeats": args.repeats, "model_cpus": args.model_cpus,
             "edge_cpus": args.edge_cpus, "torch": torch.__version__, "prompts": str(args.prompts),
             "verifier": asdict(VerifierConfig()), "prompt_tokens": [len(i) for i in ids]}
     name = "concurrency" + (f"_waves{args.waves}" if args.waves > 1 else "") + ("_split" if args.model_cpus else "")
