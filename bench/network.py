@@ -348,6 +348,10 @@ def parse_args(argv=None):
     parser.add_argument("--fixed-sizes", default="4,8,16", help="fixed tree sizes to compare (default 4,8,16)")
     parser.add_argument("--configs", default="", help="comma-separated subset of the configurations (default all)")
     parser.add_argument("--provisional-max", type=int, default=16, help="provisional tokens per verification (default 16)")
+    parser.add_argument("--grow-width", type=int, default=4,
+                        help="the model draft's frontier nodes per forward (specsplit serve draft --grow-width)")
+    parser.add_argument("--branch-threshold", type=float, default=0.3,
+                        help="the model draft's branching probability (specsplit serve draft --branch-threshold)")
     parser.add_argument("--draft-timeout", type=float, default=10.0,
                         help="orchestrator's draft timeout, s (default 10; the service default 2 is tight on a busy CPU)")
     parser.add_argument("--target-model", default=None, help="target (default SmolLM2-135M-Instruct)")
@@ -413,7 +417,8 @@ def main(argv=None) -> int:
                                                    "--rtt-ms", str(rtt)], "relay ")
             verifiers[str(rtt)] = f"{hosts.cloud_ip}:{port}"
         hosts.start(EDGE_NS, "draft", serve + ["draft", "--listen", f"{hosts.edge_ip}:{DRAFT_PORT}", "--draft", "model",
-                                              "--draft-model", draft_model, *common], "serving on")
+                                              "--draft-model", draft_model, "--grow-width", str(args.grow_width),
+                                              "--branch-threshold", str(args.branch_threshold), *common], "serving on")
         hosts.start(EDGE_NS, "ngram", serve + ["draft", "--listen", f"{hosts.edge_ip}:{NGRAM_PORT}", "--draft", "ngram",
                                               *common], "serving on")
         driver_out = logdir / "driver.json"
@@ -432,6 +437,7 @@ def main(argv=None) -> int:
             delete_namespaces()
     for r in rows:
         r["network"] = network
+        r["draft_growth"] = {"grow_width": args.grow_width, "branch_threshold": args.branch_threshold}
     done = {(r["rtt_ms"], r["config"]) for r in rows}
     data["rows"] = [r for r in data["rows"] if (r["rtt_ms"], r["config"]) not in done] + rows
     data["rows"].sort(key=lambda r: (r["rtt_ms"], r["config"]))

@@ -39,6 +39,8 @@ def _env(name: str, default: str | None = None) -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from specsplit.config import DraftConfig
+
     parser = argparse.ArgumentParser(prog="specsplit", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
@@ -110,6 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--batch-wait-ms", type=float, default=40.0,
                        help="verifier: how long a batch waits at most for its other active sessions (default 40)")
     serve.add_argument("--max-batch-tokens", type=int, default=512, help="verifier: tokens per batch (default 512)")
+    serve.add_argument("--grow-width", type=int, default=DraftConfig.grow_width,
+                       help="model draft: frontier nodes expanded per draft forward (default %(default)s; 1 = one "
+                            "branch: cheapest per forward on a CPU draft, where each extra node costs ~40%% of a "
+                            "forward)")
+    serve.add_argument("--branch-threshold", type=float, default=DraftConfig.branch_threshold,
+                       help="model draft: a candidate above this probability opens a new branch (default "
+                            "%(default)s, LLMCad's; 1 = never branch)")
     _model_flags(serve)
     _tree_flags(serve)
     return parser
@@ -287,7 +296,8 @@ def serve(args) -> int:
         server = launch.start_verifier(target, args.listen, config, medusa)
     elif args.service == "draft":
         proposer = launch.make_proposer(args.draft, args.draft_model, args.device, args.dtype,
-                                        DraftConfig(max_nodes=args.max_tree_nodes), artifact=args.draft_artifact,
+                                        DraftConfig(max_nodes=args.max_tree_nodes, grow_width=args.grow_width,
+                                                    branch_threshold=args.branch_threshold), artifact=args.draft_artifact,
                                         target_model=args.target_model)
         server = launch.start_draft(proposer, args.listen, args.max_tree_nodes,
                                     args.draft_model or getattr(proposer, "artifact", ""), args.idle_timeout)
