@@ -62,11 +62,13 @@ class OrchestratorConfig:
     max_streams: int = 256  # concurrent Generate streams (each holds a server thread); matches the verifier's sessions
     # Greedy sessions with a model draft stream width-adaptive trees (DraftTree) and verify when the
     # trigger says so; "budget" keeps the older per-round node budget (Propose). See bench/network.py.
-    # Defaults = the best geometric-mean tokens/s over RTT 0/20/50/100 in bench/results/network.md
-    # (draft = target, edge and cloud on separate cores, quiet machine): verify every 4 nodes and keep
-    # drafting provisionally meanwhile, 9.33 tokens/s; fixed-8 + provisional 8.99, goodput + provisional
-    # 8.83, the old default fixed-16 without provisional 7.86.
-    trigger: str = "fixed"  # goodput | edgellm | fixed | budget
+    # Default: the goodput trigger with provisional drafting, the one setting that is never far from
+    # the best with either kind of draft measured (bench/results/network*.md, edge and cloud on separate
+    # cores): with a draft that is always right (the target as draft) it is within 2-5% of the best fixed
+    # size (fixed-4 + provisional, 9.33 vs 8.83 tokens/s geometric mean over RTT 0-100; 13.66 vs 13.24
+    # and 12.60 vs 13.10 at RTT 0 / 50 in a later run); with the shipped draft_lm, usually wrong, it is
+    # 1.6x / 1.4x faster than fixed-4 + provisional (9.95 vs 6.07, 6.94 vs 4.94 tokens/s at RTT 0 / 50).
+    trigger: str = "goodput"  # goodput | edgellm | fixed | budget
     fixed_tree_nodes: int = 4  # trigger "fixed": verify at this many nodes
     tree_max_nodes: int = 48  # node budget of a streamed tree (any trigger)
     provisional_max: int = 16  # tokens drafted from the best branch while its tree is verified; 0: off
