@@ -114,8 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch-tokens", type=int, default=512, help="verifier: tokens per batch (default 512)")
     serve.add_argument("--grow-width", type=int, default=DraftConfig.grow_width,
                        help="model draft: frontier nodes expanded per draft forward (default %(default)s; 1 = one "
-                            "branch: cheapest per forward on a CPU draft, where each extra node costs ~40%% of a "
-                            "forward)")
+                            "branch: cheapest per forward on a CPU draft, where a 4-node forward costs ~2.5x a 1-node "
+                            "one)")
     serve.add_argument("--branch-threshold", type=float, default=DraftConfig.branch_threshold,
                        help="model draft: a candidate above this probability opens a new branch (default "
                             "%(default)s, LLMCad's; 1 = never branch)")
