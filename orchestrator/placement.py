@@ -2,8 +2,8 @@
 
 A cache is rebuilt from the session's committed tokens, either by prefill (one forward over them) or by
 importing a copy offloaded to the session store earlier, whichever has been faster here. Every call
-to a replica has a deadline; UNAVAILABLE or DEADLINE_EXCEEDED marks the replica down and the session
-moves to another one; RESOURCE_EXHAUSTED (a full replica) tries the next one, and is the answer
+to a replica has a deadline; UNAVAILABLE, DEADLINE_EXCEEDED or CANCELLED (its server stopped mid-call)
+marks the replica down and the session moves to another one; RESOURCE_EXHAUSTED (a full replica) tries the next one, and is the answer
 when every replica is full. NOT_FOUND or FAILED_PRECONDITION from Verify means the replica's cache is gone
 or out of step with the store (swept, restarted, or advanced by an orchestrator that then died before
 it could commit): the cache is rebuilt from the store's tokens.
@@ -26,7 +26,9 @@ from specsplit.rpc import RpcError
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
 
-DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# CANCELLED too: the orchestrator never cancels its own unary calls to a replica, so a cancelled one
+# means the replica's server shut down mid-call (grpc's stop() cancels the calls in flight).
+DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 OUT_OF_STEP = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
 
 
