@@ -348,10 +348,8 @@ def parse_args(argv=None):
     parser.add_argument("--fixed-sizes", default="4,8,16", help="fixed tree sizes to compare (default 4,8,16)")
     parser.add_argument("--configs", default="", help="comma-separated subset of the configurations (default all)")
     parser.add_argument("--provisional-max", type=int, default=16, help="provisional tokens per verification (default 16)")
-    parser.add_argument("--grow-width", type=int, default=4,
-                        help="the model draft's frontier nodes per forward (specsplit serve draft --grow-width)")
-    parser.add_argument("--branch-threshold", type=float, default=0.3,
-                        help="the model draft's branching probability (specsplit serve draft --branch-threshold)")
+    parser.add_argument("--grow-width", type=int, default=4, help="the model draft's --grow-width (specsplit serve)")
+    parser.add_argument("--branch-threshold", type=float, default=0.3, help="the model draft's --branch-threshold")
     parser.add_argument("--draft-timeout", type=float, default=10.0,
                         help="orchestrator's draft timeout, s (default 10; the service default 2 is tight on a busy CPU)")
     parser.add_argument("--target-model", default=None, help="target (default SmolLM2-135M-Instruct)")
