@@ -191,10 +191,11 @@ class DraftMixin:
                 tree = GrowingTree()
                 self._draft_failed(session, err if isinstance(err, RpcError) else "DEADLINE_EXCEEDED")
         draft_ms = (time.perf_counter() - started) * 1e3
+        leaf = best_leaf(tree)  # provisional drafting continues the branch ending here
         if stream is not None:
             stream.verifying(len(tree))  # growth stops; provisional drafting starts under the verification
-            if not self.config.provisional_max:
-                stream.close()
+            if not self.config.provisional_max or (leaf >= 0 and not trigger.provisional_worth(tree.confidence[leaf])):
+                stream.close()  # the draft stops after its current forward
         token_tree = TokenTree(tuple(tree.token_ids), tuple(tree.parents), tuple(tree.draft_probs))
         try:
             verdict, timing = verify(token_tree)
@@ -209,7 +210,6 @@ class DraftMixin:
             provisional = [t for s in (stream.ready() if stream is not None else []) if s.provisional for t in s.token_ids]
         except RpcError:
             pass
-        leaf = best_leaf(tree)
         path = tree.path_to(leaf) if leaf >= 0 else []
         kept = reconcile_provisional(committed, [tree.token_ids[n] for n in path] + provisional)
         if accepted:

@@ -25,6 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ALPHA_MIN = 1e-6  # α never reaches 0 (then T < α could never fire and only the node budget would)
+# Provisional drafting continues the sent branch; its tokens count only if the verifier accepts that whole
+# branch. Below this chance they are almost always dropped, and waiting for the draft's last provisional
+# forward delays the next round (measured with the trained draft_lm, accepted whole ~20% of the time:
+# provisional generation cost 5-10% of tokens/s, bench/results/network_draft_lm.md).
+PROVISIONAL_MIN_CHANCE = 0.3
 
 
 def tree_confidence(confidence: list[float], live: list[int]) -> float:
@@ -51,6 +56,9 @@ class FixedSize:
     def should_verify(self, confidence: float, num_nodes: int) -> bool:
         return num_nodes >= self.size
 
+    def provisional_worth(self, branch_confidence: float) -> bool:
+        return True  # no model of acceptance: always draft provisionally
+
     def observe(self, outcome: RoundOutcome) -> None:
         pass
 
@@ -61,6 +69,9 @@ class EdgeLLMThreshold:
 
     def should_verify(self, confidence: float, num_nodes: int) -> bool:
         return confidence < self.alpha
+
+    def provisional_worth(self, branch_confidence: float) -> bool:
+        return True  # the paper's rule has no model of acceptance: always draft provisionally
 
     def observe(self, outcome: RoundOutcome) -> None:
         n_all, n_correct = outcome.num_drafted, outcome.num_accepted
@@ -80,9 +91,15 @@ class GoodputThreshold:
     step_ms: float = 0.0  # one draft forward, ms, decayed
     gamma: float = 1.0  # P(branch accepted) = confidence^gamma, decayed fit
     gamma_range: tuple[float, float] = (0.02, 8.0)
+    fitted: bool = False  # gamma has seen an outcome
 
     def should_verify(self, confidence: float, num_nodes: int) -> bool:
         return confidence < self.alpha
+
+    def provisional_worth(self, branch_confidence: float) -> bool:
+        """Draft provisionally from the sent branch only if it is accepted whole often enough: the chance
+        is branch_confidence^γ (the model fitted in ``observe``; before any outcome: assume so)."""
+        return not self.fitted or branch_confidence ** self.gamma >= PROVISIONAL_MIN_CHANCE
 
     def observe(self, outcome: RoundOutcome) -> None:
         if outcome.round_ms > 0 and outcome.committed > 0:
@@ -92,6 +109,7 @@ class GoodputThreshold:
         if outcome.confidences:
             fit = fit_gamma(outcome.confidences, outcome.num_accepted, self.gamma_range)
             self.gamma = (1 - self.ema) * self.gamma + self.ema * fit
+            self.fitted = True
         if self.rate > 0 and self.step_ms > 0:
             self.alpha = min(max((self.rate * self.step_ms) ** (1.0 / self.gamma), ALPHA_MIN), 1.0)
 

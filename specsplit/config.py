@@ -64,10 +64,9 @@ class OrchestratorConfig:
     # trigger says so; "budget" keeps the older per-round node budget (Propose). See bench/network.py.
     # Default: the goodput trigger with provisional drafting, the one setting that is never far from
     # the best with either kind of draft measured (bench/results/network*.md, edge and cloud on separate
-    # cores): with a draft that is always right (the target as draft) it is within 2-5% of the best fixed
-    # size (fixed-4 + provisional, 9.33 vs 8.83 tokens/s geometric mean over RTT 0-100; 13.66 vs 13.24
-    # and 12.60 vs 13.10 at RTT 0 / 50 in a later run); with the shipped draft_lm, usually wrong, it is
-    # 1.6x / 1.4x faster than fixed-4 + provisional (9.95 vs 6.07, 6.94 vs 4.94 tokens/s at RTT 0 / 50).
+    # cores). With a draft that is always right (the target as draft) it ran at 0.79-1.09x of fixed-4 +
+    # provisional across four runs at RTT 0 / 50 (geomean over RTT 0-100 in the first: 8.83 vs 9.33
+    # tokens/s); with the shipped draft_lm, usually wrong, at 1.5-1.9x of it (RTT 0 / 50, two runs).
     trigger: str = "goodput"  # goodput | edgellm | fixed | budget
     fixed_tree_nodes: int = 4  # trigger "fixed": verify at this many nodes
     tree_max_nodes: int = 48  # node budget of a streamed tree (any trigger)

@@ -73,6 +73,17 @@ def test_goodput_trusts_a_draft_that_beats_its_confidence():
     assert good.gamma < 1 < bad.gamma and good.alpha < bad.alpha
 
 
+def test_goodput_drafts_provisionally_only_behind_a_branch_likely_accepted_whole():
+    right, wrong = GoodputThreshold(), GoodputThreshold()
+    assert right.provisional_worth(0.5) and wrong.provisional_worth(0.5)  # nothing measured yet: try it
+    for _ in range(10):
+        right.observe(outcome(4, 4, confidences=[0.6, 0.5, 0.4, 0.3]))  # always right, under-confident
+        wrong.observe(outcome(2, 0, confidences=[0.7, 0.5]))  # the first token already wrong
+    assert right.provisional_worth(0.3)
+    assert not wrong.provisional_worth(0.7)
+    assert FixedSize(4).provisional_worth(0.01) and EdgeLLMThreshold().provisional_worth(0.01)
+
+
 def test_make_trigger():
     assert isinstance(make_trigger("edgellm"), EdgeLLMThreshold)
     assert make_trigger("fixed", 12).size == 12
