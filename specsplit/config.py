@@ -66,7 +66,7 @@ class OrchestratorConfig:
     # the best with either kind of draft measured (bench/results/network*.md, edge and cloud on separate
     # cores). With a draft that is always right (the target as draft) it ran at 0.79-1.09x of fixed-4 +
     # provisional across four runs at RTT 0 / 50 (geomean over RTT 0-100 in the first: 8.83 vs 9.33
-    # tokens/s); with the shipped draft_lm, usually wrong, at 1.5-1.9x of it (RTT 0 / 50, two runs).
+    # tokens/s); with the shipped draft_lm, usually wrong, at 1.4-1.9x of it (RTT 0 / 50, two runs).
     trigger: str = "goodput"  # goodput | edgellm | fixed | budget
     fixed_tree_nodes: int = 4  # trigger "fixed": verify at this many nodes
     tree_max_nodes: int = 48  # node budget of a streamed tree (any trigger)
