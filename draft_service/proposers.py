@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from draft_service.ngram import NgramProposer
 from specsplit.growth import GrowingTree, GrowthPolicy, GrowthStep, best_leaf, grow_tree
 from specsplit.provisional import reconcile_provisional
 
@@ -33,83 +34,6 @@ class Proposer(Protocol):
     def propose(self, session_id: str, token_ids: list[int], max_nodes: int) -> TokenTree: ...
 
     def end(self, session_id: str) -> None: ...
-
-
-class NgramIndex:
-    """Positions after every n-gram (n in [n_min, n_max]) of a growing token sequence."""
-
-    def __init__(self, n_min: int, n_max: int):
-        self.n_min, self.n_max = n_min, n_max
-        self.tokens: list[int] = []
-        self.follow: dict[tuple[int, ...], list[int]] = {}  # n-gram -> start indices of what followed it
-
-    def extend(self, new_tokens: list[int]) -> None:
-        for token in new_tokens:
-            self.tokens.append(token)
-            end = len(self.tokens)  # the n-grams ending at end-1 are followed by index `end`
-            for n in range(self.n_min, min(self.n_max, end) + 1):
-                self.follow.setdefault(tuple(self.tokens[end - n : end]), []).append(end)
-
-    def continuations(self, max_len: int, max_branches: int) -> list[list[int]]:
-        """Distinct continuations of the longest suffix n-gram seen before, most recent occurrence first."""
-        end = len(self.tokens)
-        for n in range(min(self.n_max, end), self.n_min - 1, -1):
-            starts = self.follow.get(tuple(self.tokens[end - n :]), [])
-            paths: list[list[int]] = []
-            for start in reversed(starts):
-                if start >= end:
-                    continue  # the suffix itself: nothing followed it yet
-                path = self.tokens[start : start + max_len]
-                if path and not any(p[: len(path)] == path for p in paths):
-                    paths.append(path)
-                if len(paths) == max_branches:
-                    break
-            if paths:
-                return paths
-        return []
-
-
-class NgramProposer:
-    """Prompt lookup over prompt + generated text; several matches become branches of one tree."""
-
-    name = "ngram"
-    tokenizer_fingerprint = ""
-
-    def __init__(self, config: DraftConfig | None = None):
-        self.config = config or DraftConfig()
-        self._index: dict[str, NgramIndex] = {}
-
-    def start(self, session_id: str, prompt_token_ids: list[int], sampling: SamplingParams | None = None) -> None:
-        index = NgramIndex(self.config.ngram_min, self.config.ngram_max)
-        index.extend(list(prompt_token_ids))
-        self._index[session_id] = index
-
-    def propose(self, session_id: str, token_ids: list[int], max_nodes: int) -> TokenTree:
-        index = self._index[session_id]
-        if index.tokens != token_ids[: len(index.tokens)]:  # history rewritten: rebuild
-            index = NgramIndex(self.config.ngram_min, self.config.ngram_max)
-            self._index[session_id] = index
-        index.extend(token_ids[len(index.tokens) :])
-        if max_nodes <= 0:
-            return TokenTree.empty()
-        paths = index.continuations(max_nodes, self.config.ngram_branches)
-        # Alternatives get short branches; the most recent match gets the rest of the budget.
-        alt_len = max(1, max_nodes // 4)
-        alts = [p[:alt_len] for p in paths[1:]]
-        while alts and sum(map(len, alts)) >= max_nodes:
-            alts.pop()
-        primary = paths[:1] and [paths[0][: max_nodes - sum(map(len, alts))]]
-        return _trim_to_budget(TokenTree.from_paths(primary + alts), max_nodes)
-
-    def end(self, session_id: str) -> None:
-        self._index.pop(session_id, None)
-
-
-def _trim_to_budget(tree: TokenTree, max_nodes: int) -> TokenTree:
-    if len(tree) <= max_nodes:
-        return tree
-    return TokenTree(tree.token_ids[:max_nodes], tree.parents[:max_nodes], tree.draft_probs[:max_nodes],
-                     tree.node_q[:max_nodes])
 
 
 def draft_sampling(sampling: SamplingParams | None, q_top_k: int) -> tuple[SamplingParams, torch.Generator | None]:

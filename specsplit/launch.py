@@ -32,7 +32,8 @@ def make_proposer(kind: str, draft_model: str | None = None, device: str | None 
     """kind: "ngram", "model" (a draft model path, or an already loaded model), "eagle" or "eagle+ngram"
     (an eagle artifact for ``target_model``; default: the shipped one for it)."""
     from draft_service.feature_proposer import load_feature_proposer
-    from draft_service.proposers import CombinedProposer, ModelProposer, NgramProposer
+    from draft_service.ngram import NgramProposer
+    from draft_service.proposers import CombinedProposer, ModelProposer
 
     if kind == "ngram":
         return NgramProposer(config)

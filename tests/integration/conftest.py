@@ -1,6 +1,6 @@
 import pytest
 
-from draft_service.proposers import NgramProposer
+from draft_service.ngram import NgramProposer
 from specsplit.config import DraftConfig, OrchestratorConfig, VerifierConfig
 from specsplit.launch import start_stack
 from tiny import tiny_loaded

@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from draft_service.proposers import NgramProposer
+from draft_service.ngram import NgramProposer
 from specsplit.client import Client
 from specsplit.config import DraftConfig, VerifierConfig
 from specsplit.launch import start_stack

@@ -7,7 +7,7 @@ import time
 import grpc
 import pytest
 
-from draft_service.proposers import NgramProposer
+from draft_service.ngram import NgramProposer
 from specsplit.client import AsyncClient, Client
 from specsplit.config import DraftConfig, OrchestratorConfig
 from specsplit.launch import start_stack

@@ -6,7 +6,7 @@ import time
 import grpc
 import pytest
 
-from draft_service.proposers import NgramProposer
+from draft_service.ngram import NgramProposer
 from specsplit.client import Client
 from specsplit.config import DraftConfig, OrchestratorConfig, VerifierConfig
 from specsplit.launch import start_stack

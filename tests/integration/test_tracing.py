@@ -5,7 +5,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from draft_service.proposers import NgramProposer
+from draft_service.ngram import NgramProposer
 from specsplit.client import Client
 from specsplit.config import DraftConfig
 from specsplit.launch import start_stack

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from draft_service.feature_proposer import FeatureProposer, load_feature_proposer
-from draft_service.proposers import CombinedProposer, NgramProposer
+from draft_service.ngram import NgramProposer
+from draft_service.proposers import CombinedProposer
 from specsplit.config import DraftConfig
 from specsplit.errors import FailedPrecondition
 from specsplit.features import Features

@@ -2,7 +2,8 @@
 
 import pytest
 
-from draft_service.proposers import ModelProposer, NgramProposer
+from draft_service.ngram import NgramProposer
+from draft_service.proposers import ModelProposer
 from specsplit.config import DraftConfig, OrchestratorConfig
 from specsplit.launch import start_stack
 from tiny import PARITY_PROMPTS, generate_through, hf_greedy, tiny_loaded

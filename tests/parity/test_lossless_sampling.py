@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from draft_service.proposers import ModelProposer, NgramProposer
+from draft_service.ngram import NgramProposer
+from draft_service.proposers import ModelProposer
 from specsplit.client import Client
 from specsplit.config import DraftConfig
 from specsplit.launch import start_stack

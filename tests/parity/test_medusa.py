@@ -104,7 +104,7 @@ def test_shipped_artifact_is_found_by_target_and_refused_for_another(tmp_path, t
 
 
 def test_medusa_plus_ngram_is_lossless_and_merges_the_lookup(target):
-    from draft_service.proposers import NgramProposer
+    from draft_service.ngram import NgramProposer
     from specsplit.config import DraftConfig
 
     with start_stack(target, [NgramProposer(DraftConfig())], medusa=tiny_medusa(target)) as stack:

@@ -2,7 +2,8 @@
 
 import pytest
 
-from draft_service.proposers import CombinedProposer, NgramProposer
+from draft_service.ngram import NgramProposer
+from draft_service.proposers import CombinedProposer
 from specsplit.config import DraftConfig
 from specsplit.launch import start_stack
 from test_lossless_sampling import N, chi_square_ok, exact_pairs, sample_pairs

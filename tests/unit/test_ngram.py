@@ -1,4 +1,4 @@
-from draft_service.proposers import NgramIndex, NgramProposer
+from draft_service.ngram import NgramIndex, NgramProposer
 from specsplit.config import DraftConfig
 
 
