@@ -44,7 +44,7 @@ sys.path.insert(0, str(HERE))
 
 from run import chat_ids, geomean, hf_generate, load_prompts  # noqa: E402 (bench/run.py)
 from specsplit.client import Client  # noqa: E402
-from specsplit.config import DraftConfig  # noqa: E402
+from specsplit.config import DraftConfig, OrchestratorConfig  # noqa: E402
 from specsplit.heads import (FeatureDrafter, Manifest, MedusaHeads, build_draft_lm, draft_lm_manifest_config,  # noqa: E402
                              load_artifact, read_manifest, save_artifact)
 from specsplit.launch import make_proposer, start_stack  # noqa: E402
@@ -233,6 +233,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--random-init", action="store_true", help="untrained artifacts built here (smoke test)")
     parser.add_argument("--top-k", type=int, default=DraftConfig.model_top_k, help="eagle/model tree: children per node")
     parser.add_argument("--depth", type=int, default=DraftConfig.model_depth, help="eagle/model tree: depth")
+    parser.add_argument("--trigger", default=OrchestratorConfig.trigger, choices=["goodput", "edgellm", "fixed", "budget"],
+                        help="when model and eagle drafts are verified: streamed trees on a trigger, or budget "
+                             "(whole trees sized by the acceptance/cost controller)")
     return parser.parse_args(argv)
 
 
@@ -266,7 +269,8 @@ def main(argv=None) -> None:
         medusa = load_medusa(artifacts["medusa"], target) if artifacts.get("medusa") is not None else None
         hf = HFWorker(args.threads, str(lm_dir) if lm_dir and "hf_assisted" in methods else None)
         results: list[Result] = []
-        with start_stack(target, proposers, medusa=medusa) as stack, Client(stack.address) as client, \
+        with start_stack(target, proposers, medusa=medusa,
+                         orchestrator_config=OrchestratorConfig(trigger=args.trigger)) as stack, Client(stack.address) as client, \
                 contextlib.closing(hf):
             warm = chat_ids(target.tokenizer, WARMUP_PROMPT)
             hf.generate(warm, 8)
@@ -280,7 +284,7 @@ def main(argv=None) -> None:
     meta = {"model": target.name, "target_identity": target_identity(target), "threads": args.threads,
             "max_new_tokens": args.max_new_tokens, "random_init": args.random_init, "artifacts": names,
             "skipped": skipped, "torch": torch.__version__, "cpus": os.cpu_count(),
-            "tree": {"top_k": args.top_k, "depth": args.depth}}
+            "tree": {"top_k": args.top_k, "depth": args.depth}, "trigger": args.trigger}
     (args.out / "drafters.json").write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in results]},
                                                        indent=1))
     table = markdown(results, methods, skipped, args, names)

@@ -28,7 +28,9 @@ Results merge into <out>/network.json (one entry per RTT, so RTTs can be run one
     python bench/network.py --report-only                             # redraw md/png from the json
 
 The draft is the target itself (--draft-model, default the target's cache directory): a
-full-acceptance control that shows network and trigger effects, not a realistic draft cost. Edge and
+full-acceptance control that shows network and trigger effects, not a realistic draft cost; or a
+trained draft: --draft-model DIR (a draft LM) or --drafter eagle (the feature drafter, which reads the
+target's features that come back with every verification). Edge and
 cloud are separate machines: each host's processes get their own core (--edge-cpus 0 --cloud-cpus 1,
 1 torch thread each, the defaults), so drafting and verification really run at the same time.
 """
@@ -199,7 +201,7 @@ def drive(args) -> None:
             draft_address = args.ngram if name == "ngram" else args.draft
             orch = Orchestrator([RemoteVerifier(verifiers[str(rtt)])], [RemoteDraft(draft_address)], tokenizer, config)
             orch.verifier_info  # connect (TCP + HTTP/2 setup through the relay) before timing
-            orch.pick_draft("ngram" if name == "ngram" else "model")
+            orch.pick_draft("ngram" if name == "ngram" else args.drafter)
             orchs[name] = orch
         for i, p in enumerate(prompts):
             order = args.config_list[i % len(args.config_list):] + args.config_list[:i % len(args.config_list)]
@@ -209,7 +211,7 @@ def drive(args) -> None:
                 prompt = code if name == "ngram" else p
                 prompt_ids, expected = references[prompt["id"]]
                 request = GenerationRequest(prompt_token_ids=prompt_ids, max_new_tokens=args.max_new_tokens,
-                                            draft="ngram" if name == "ngram" else "model")
+                                            draft="ngram" if name == "ngram" else args.drafter)
                 start = time.perf_counter()
                 chunks = list(orchs[name].generate(request))
                 elapsed = time.perf_counter() - start
@@ -354,6 +356,10 @@ def parse_args(argv=None):
                         help="orchestrator's draft timeout, s (default 10; the service default 2 is tight on a busy CPU)")
     parser.add_argument("--target-model", default=None, help="target (default SmolLM2-135M-Instruct)")
     parser.add_argument("--draft-model", default=None, help="draft model dir (default: the target's own cache dir)")
+    parser.add_argument("--drafter", choices=["model", "eagle"], default="model",
+                        help="the streamed draft: model (an HF model, --draft-model) or eagle (the shipped feature "
+                             "drafter, or --draft-artifact; the verifier sends it the target's features)")
+    parser.add_argument("--draft-artifact", default=None, help="eagle artifact dir (default: the shipped one)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     parser.add_argument("--edge-cpus", default="0",
                         help="taskset CPU list of the edge host's processes: draft, orchestrator, client (default 0; '' = "
@@ -414,8 +420,10 @@ def main(argv=None) -> int:
                                                    "--upstream", f"{hosts.cloud_ip}:{VERIFIER_PORT}",
                                                    "--rtt-ms", str(rtt)], "relay ")
             verifiers[str(rtt)] = f"{hosts.cloud_ip}:{port}"
-        hosts.start(EDGE_NS, "draft", serve + ["draft", "--listen", f"{hosts.edge_ip}:{DRAFT_PORT}", "--draft", "model",
-                                              "--draft-model", draft_model, "--grow-width", str(args.grow_width),
+        drafter = (["--draft", "model", "--draft-model", draft_model] if args.drafter == "model" else
+                   ["--draft", "eagle", *model_args] + (["--draft-artifact", args.draft_artifact] if args.draft_artifact else []))
+        hosts.start(EDGE_NS, "draft", serve + ["draft", "--listen", f"{hosts.edge_ip}:{DRAFT_PORT}", *drafter,
+                                              "--grow-width", str(args.grow_width),
                                               "--branch-threshold", str(args.branch_threshold), *common], "serving on")
         hosts.start(EDGE_NS, "ngram", serve + ["draft", "--listen", f"{hosts.edge_ip}:{NGRAM_PORT}", "--draft", "ngram",
                                               *common], "serving on")
@@ -426,6 +434,7 @@ def main(argv=None) -> int:
             "--ngram", f"{hosts.edge_ip}:{NGRAM_PORT}", "--rtts", ",".join(map(str, args.rtts)),
             "--prompts", args.prompts, "--code-prompt", args.code_prompt, "--max-new-tokens", str(args.max_new_tokens),
             "--configs", ",".join(args.config_list), "--provisional-max", str(args.provisional_max),
+            "--drafter", args.drafter,
             "--threads", str(args.threads), "--draft-timeout", str(args.draft_timeout)] + (["--target-model", args.target_model] if args.target_model else [])
         subprocess.run(cmd, check=True, cwd=ROOT)
         rows = json.loads(driver_out.read_text())
@@ -436,6 +445,7 @@ def main(argv=None) -> int:
     for r in rows:
         r["network"] = network
         r["draft_growth"] = {"grow_width": args.grow_width, "branch_threshold": args.branch_threshold}
+        r["drafter"] = args.drafter if args.drafter == "eagle" else f"model:{draft_model}"
     done = {(r["rtt_ms"], r["config"]) for r in rows}
     data["rows"] = [r for r in data["rows"] if (r["rtt_ms"], r["config"]) not in done] + rows
     data["rows"].sort(key=lambda r: (r["rtt_ms"], r["config"]))

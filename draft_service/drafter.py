@@ -61,21 +61,21 @@ class Drafter:
             self._extend(session_id, session, new_token_ids, committed_length)
             start = time.perf_counter()
             with tracer.start_as_current_span("specsplit.draft.propose") as span:
-                if features and getattr(self.proposer, "wants_features", False):
-                    self.proposer.add_features(session_id, features)
-                    span.set_attribute("specsplit.feature_bytes", sum(f.nbytes for f in features))
+                self._add_features(session_id, features, span)
                 tree = self.proposer.propose(session_id, session.token_ids, min(max_nodes, self.max_nodes))
                 span.set_attribute("specsplit.num_draft_tokens", len(tree))
             return tree, (time.perf_counter() - start) * 1e3
 
     def grow(self, session_id: str, new_token_ids: list[int], committed_length: int, max_nodes: int,
-             control: "GrowthControl", provisional_max: int = 0) -> Iterator[GrowthStep]:
-        """A DraftTree round: the proposer's growth steps (a proposer without ``grow``: its tree, in one step)."""
+             control: "GrowthControl", provisional_max: int = 0, features: list[Features] = ()) -> Iterator[GrowthStep]:
+        """A DraftTree round: the proposer's growth steps (a proposer without ``grow``: its tree, in one step).
+        features: as for ``propose``."""
         session = self._session(session_id)
         with session.lock:  # the next round of this session waits until this one has finished its forward
             self._extend(session_id, session, new_token_ids, committed_length)
             budget = min(max_nodes, self.max_nodes)
             with tracer.start_as_current_span("specsplit.draft.grow") as span:
+                self._add_features(session_id, features, span)
                 grow = getattr(self.proposer, "grow", None)
                 if grow is None:
                     start = time.perf_counter()
@@ -92,6 +92,11 @@ class Drafter:
                     yield step
                 span.set_attribute("specsplit.num_draft_tokens", nodes)
                 span.set_attribute("specsplit.num_provisional", provisional)
+
+    def _add_features(self, session_id: str, features: list[Features], span) -> None:
+        if features and getattr(self.proposer, "wants_features", False):
+            self.proposer.add_features(session_id, features)
+            span.set_attribute("specsplit.feature_bytes", sum(f.nbytes for f in features))
 
     def _session(self, session_id: str) -> DraftSession:
         session = self._sessions.get(session_id)

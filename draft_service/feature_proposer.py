@@ -7,7 +7,8 @@ has cached positions 0..L-2, so the last row is t = L-2: it predicts f_{L-1}, wh
 root's children (candidates for x_L). Each deeper level feeds the drafter's own predicted feature back:
 a node at depth d (token at position L-1+d) is a row reading (the feature predicted for its parent's
 position, its token), one forward per depth for the whole frontier, with a tree mask over the cache.
-The tree's rows are dropped afterwards; only committed rows stay.
+The tree's rows are dropped afterwards; only committed rows stay. Streamed rounds (``grow``, greedy)
+grow the same rows width-adaptively and keep the provisional path's rows for the next round's seed.
 
 Greedy targets get a deterministic top-k tree with one-hot q; sampling targets get children drawn
 i.i.d. from q over the drafter's (possibly pruned) vocabulary, sent with the target's token ids.
@@ -20,18 +21,20 @@ skipped. Either way only the draft's quality changes: the verifier decides every
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from draft_service.proposers import draft_sampling, grow_top_tree
+from draft_service.proposers import GrowthControl, GrowthRound, draft_sampling, grow_top_tree, growth_policy
 from specsplit.config import DraftConfig
 from specsplit.errors import InvalidArgument
 from specsplit.features import Features
 from specsplit.heads import KV, FeatureDrafter, Manifest, check_manifest, load_artifact, read_manifest
+from specsplit.provisional import reconcile_provisional
 from specsplit.runner import ModelRunner
 from specsplit.sampling import SamplingParams, distribution, round_seed
-from specsplit.tree import SparseDist, TokenTree
+from specsplit.tree import GrowthStep, SparseDist, TokenTree
 
 
 @dataclass
@@ -42,6 +45,14 @@ class _FeatureSession:
     past: KV | None = None  # the drafter's K/V of the cached rows: [1, H_kv, R, D] each
     last_out: torch.Tensor | None = None  # [H] predicted feature of position start + R (from the last row)
     pending: list[Features] = field(default_factory=list)  # received, not yet run through the drafter
+    # The last DraftTree round's provisional path (best verified branch + provisional tokens), drafted after
+    # `path_base` committed tokens, with the drafter rows of its nodes but the last (rows predicted then,
+    # over the committed rows of then: a draft's approximation, as every tree row is).
+    path_base: int = 0
+    path_tokens: list[int] = field(default_factory=list)  # [P]
+    path_probs: list[float] = field(default_factory=list)  # [P]
+    path_kv: KV | None = None  # [1, H_kv, P', D] each, P' <= P - 1 rows of the path's first nodes
+    path_out: torch.Tensor | None = None  # [P', H] the feature each of those rows predicted
 
     @property
     def num_rows(self) -> int:
@@ -92,6 +103,84 @@ class FeatureProposer:
 
     def propose(self, session_id: str, token_ids: list[int], max_nodes: int) -> TokenTree:
         return self._runner(self._propose, self._sessions[session_id], token_ids, max_nodes)
+
+    def grow(self, session_id: str, token_ids: list[int], max_nodes: int, control: GrowthControl,
+             provisional_max: int = 0) -> Iterator[GrowthStep]:
+        """One DraftTree round (greedy): stream a width-adaptive tree as it grows, then draft provisionally
+        from the best verified branch's leaf (``GrowthRound``). Kept provisional tokens seed the next
+        round's tree with their rows from this round. Sampling: the Propose path's tree, in one step."""
+        session = self._sessions[session_id]
+        if not session.sampling.greedy:
+            tree = self.propose(session_id, token_ids, max_nodes)
+            yield GrowthStep(0, tree.token_ids, tree.parents, tree.draft_probs, done=True)
+            return
+        committed = len(token_ids)
+        self._runner(self._catch_up, session, token_ids)
+        if session.last_out is None or session.start + session.num_rows != committed - 1:
+            session.path_tokens = []
+            yield GrowthStep(0, (), (), (), done=True)  # no features yet, or they lag the tokens
+            return
+        seed, tree_kv, predicted = self._kept_provisional(session, token_ids)
+        slot = {node: node for node in range(len(seed) - 1)}  # node -> its row among the tree rows
+        session.path_tokens, session.path_probs, session.path_kv, session.path_out = [], [], None, None
+
+        def forward(tree, nodes: list[int]) -> torch.Tensor:
+            """[F, V'] the drafter's next-token logits of each node; one drafter forward for the non-root ones."""
+            nonlocal tree_kv
+            run = [n for n in nodes if n >= 0]
+            if run:
+                tokens = TokenTree(tuple(tree.token_ids), tuple(tree.parents))
+                out, tree_kv = self._runner(self._expand, session, committed, tokens, run, predicted, slot, tree_kv)
+                for row, node in enumerate(run):
+                    predicted[node] = out[row]  # [H]
+            features = torch.stack([predicted[n] for n in nodes])  # [F, H]
+            return self._runner(self._logits, features)  # [F, V']
+
+        def forget(num_verified: int) -> None:
+            for node in [n for n in slot if n >= num_verified]:
+                del slot[node]
+                predicted.pop(node, None)
+
+        round_ = GrowthRound(forward, forget, self.drafter.vocab_ids)
+        try:
+            yield from round_.run(seed, max_nodes, growth_policy(self.config), control, provisional_max)
+        finally:
+            self._keep_path(session, committed, round_, slot, tree_kv, predicted)
+
+    def _kept_provisional(self, session: _FeatureSession, token_ids: list[int]):
+        """Last round's provisional tokens that continue ``token_ids`` as (token, prob) seed nodes, the tree
+        rows of all but the last ([1, H_kv, S-1, D] each, or None) and node -> predicted feature
+        (-1: the root's, from the committed rows)."""
+        predicted: dict[int, torch.Tensor] = {-1: session.last_out}
+        base, path = session.path_base, session.path_tokens
+        kept = reconcile_provisional(token_ids[base:], path) if path and len(token_ids) > base else []
+        skip = len(path) - len(kept)  # path nodes now committed
+        rows = 0 if session.path_out is None else session.path_out.shape[0]
+        if not kept or skip + len(kept) - 1 > rows:
+            return [], None, predicted
+        n = len(kept) - 1
+        tree_kv = None if n == 0 else tuple(t[:, :, skip:skip + n] for t in session.path_kv)
+        for node in range(n):
+            predicted[node] = session.path_out[skip + node]  # [H]
+        return list(zip(kept, session.path_probs[skip:])), tree_kv, predicted
+
+    def _keep_path(self, session: _FeatureSession, committed: int, round_: GrowthRound, slot: dict[int, int],
+                   tree_kv: KV | None, predicted: dict[int, torch.Tensor]) -> None:
+        """Remember the provisional path and the rows of its first nodes that have one (in path order)."""
+        tree = round_.tree
+        path = tree.path_to(round_.leaf) if 0 <= round_.leaf < len(tree) else []
+        with_rows = []
+        for node in path:
+            if node not in slot or tree_kv is None:
+                break
+            with_rows.append(node)
+        session.path_base = committed
+        session.path_tokens = [tree.token_ids[n] for n in path]
+        session.path_probs = [tree.draft_probs[n] for n in path]
+        if with_rows:
+            index = torch.tensor([slot[n] for n in with_rows])  # [P']
+            session.path_kv = tuple(t.index_select(2, index) for t in tree_kv)
+            session.path_out = torch.stack([predicted[n] for n in with_rows])  # [P', H]
 
     # -- the model thread -------------------------------------------------------------------------------
     def _propose(self, session: _FeatureSession, token_ids: list[int], max_nodes: int) -> TokenTree:
@@ -154,10 +243,11 @@ class FeatureProposer:
 
         Every ancestor of a frontier node was itself a frontier node at a smaller depth, so it has a row."""
         cached = session.num_rows
-        before = len(slot)
+        used = 0 if tree_kv is None else int(tree_kv[0].shape[2])  # tree rows so far (some may be cut nodes')
         for node in frontier:
-            slot[node] = len(slot)
-        allowed = torch.zeros(len(frontier), cached + len(slot), dtype=torch.bool)  # [F, R+T]
+            slot[node] = used
+            used += 1
+        allowed = torch.zeros(len(frontier), cached + used, dtype=torch.bool)  # [F, R+T]
         allowed[:, :cached] = True
         for row, node in enumerate(frontier):
             for ancestor in tree.path_to(node):
@@ -167,7 +257,6 @@ class FeatureProposer:
         ids = torch.tensor([[tree.token_ids[n] for n in frontier]])  # [1, F]
         positions = torch.tensor([[committed - 1 + tree.depths[n] for n in frontier]])  # [1, F]
         out, kv = self.drafter(features, ids, positions, allowed[None, None], past)  # [1, F, H]
-        assert before + len(frontier) == len(slot)
         tree_kv = kv if tree_kv is None else (torch.cat([tree_kv[0], kv[0]], 2), torch.cat([tree_kv[1], kv[1]], 2))
         return out[0], tree_kv
 

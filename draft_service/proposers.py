@@ -84,6 +84,79 @@ def grow_top_tree(logits: torch.Tensor, children, expand, max_nodes: int, depth:
     return TokenTree(tuple(tokens), tuple(parents), tuple(draft_probs), tuple(node_q) if sampled else ())
 
 
+def growth_policy(config: DraftConfig) -> GrowthPolicy:
+    return GrowthPolicy(config.branch_threshold, config.grow_width, config.grow_min_relative, config.grow_max_depth)
+
+
+class GrowthRound:
+    """One streamed DraftTree round of a draft model, whatever the model: grow, then draft provisionally.
+
+    ``forward(tree, nodes)`` is one draft forward: next-token logits [F, V'] of each node (-1 = the root)
+    over ``vocab_ids`` (the draft's vocabulary as target ids; None: the same ids). ``forget(n)``: nodes
+    from index n on were not sent for verification; their draft rows must not be attended to again.
+    After ``run``, ``tree`` holds the round's nodes and ``leaf`` the end of the provisional path (-1: none).
+    """
+
+    def __init__(self, forward, forget, vocab_ids: torch.Tensor | None = None):
+        self.forward, self.forget, self.vocab_ids = forward, forget, vocab_ids
+        self.tree = GrowingTree()
+        self.leaf = -1
+        self._last_rows: dict[int, torch.Tensor] = {}  # node -> next-token logits [V'], from the latest forward
+
+    def _logits(self, nodes: list[int]) -> torch.Tensor:
+        logits = self.forward(self.tree, nodes)  # [F, V']
+        self._last_rows = dict(zip(nodes, logits))
+        return logits
+
+    def _token(self, index: int) -> int:
+        return index if self.vocab_ids is None else int(self.vocab_ids[index])
+
+    def _expand(self, nodes: list[int]) -> list[list[tuple[int, float]]]:
+        probs = self._logits(nodes).softmax(dim=-1)  # [F, V']
+        values, indices = probs.topk(min(3, probs.shape[-1]), dim=-1)  # [F, 3]: at most 3 can be above 0.3
+        return [[(self._token(i), v) for i, v in zip(indices[r].tolist(), values[r].tolist())]
+                for r in range(len(nodes))]
+
+    def run(self, seed: list[tuple[int, float]], max_nodes: int, policy: GrowthPolicy, control: "GrowthControl",
+            provisional_max: int) -> Iterator[GrowthStep]:
+        """Each yielded step is one draft forward over the whole frontier. ``seed``: last round's kept
+        provisional (token, prob) path, whose rows but the last the caller has cached in order. Once the
+        orchestrator says how many nodes it sent for verification, growth stops and up to
+        ``provisional_max`` tokens follow the best verified branch's leaf, one forward each, until closed."""
+        tree = self.tree
+        start = time.perf_counter()
+        for token, prob in seed:
+            tree.add(len(tree) - 1, token, prob)
+        if seed:
+            yield GrowthStep(0, tuple(tree.token_ids), tuple(tree.parents), tuple(tree.draft_probs),
+                             seeded=len(seed), draft_ms=(time.perf_counter() - start) * 1e3)
+        finished = True
+        for step in grow_tree(self._expand, max_nodes, policy, tree=tree, frontier=[len(seed) - 1]):
+            if control.verifying is not None or control.closed:
+                finished = False  # the verifier already has fewer nodes than this forward made
+                break
+            yield GrowthStep(step.first, step.token_ids, step.parents, step.draft_probs,
+                             draft_ms=(time.perf_counter() - start) * 1e3)
+            start = time.perf_counter()  # not counting the time the consumer held us at the yield
+        if finished:
+            yield GrowthStep(len(tree), (), (), (), done=True)
+        control.wait()
+        num_verified = control.verifying if control.verifying is not None else 0
+        tree.truncate(num_verified)
+        self.forget(num_verified)
+        leaf = self.leaf = best_leaf(tree)
+        start = time.perf_counter()
+        for _ in range(provisional_max if leaf >= 0 else 0):
+            if control.closed:
+                break
+            row = self._last_rows[leaf] if leaf in self._last_rows else self._logits([leaf])[0]  # [V']
+            prob, index = row.softmax(dim=-1).max(dim=-1)
+            leaf = self.leaf = tree.add(leaf, self._token(int(index)), float(prob))
+            yield GrowthStep(leaf, (tree.token_ids[leaf],), (tree.parents[leaf],), (float(prob),), provisional=True,
+                             draft_ms=(time.perf_counter() - start) * 1e3)
+            start = time.perf_counter()
+
+
 @dataclass
 class _ModelSession:
     cache: object  # the draft's KV cache: committed tokens only, between calls
@@ -163,11 +236,6 @@ class ModelProposer:
         kvcache.truncate(session.cache, committed)
         return tree
 
-    @property
-    def growth_policy(self) -> GrowthPolicy:
-        c = self.config
-        return GrowthPolicy(c.branch_threshold, c.grow_width, c.grow_min_relative, c.grow_max_depth)
-
     def grow(self, session_id: str, token_ids: list[int], max_nodes: int, control: GrowthControl,
              provisional_max: int = 0) -> Iterator[GrowthStep]:
         """One DraftTree round: stream a width-adaptive tree as it grows, then draft provisionally.
@@ -184,75 +252,32 @@ class ModelProposer:
             yield GrowthStep(0, tree.token_ids, tree.parents, tree.draft_probs, done=True)
             return
         committed = len(token_ids)
-        tree = GrowingTree()
         slot: dict[int, int] = {}  # node -> its offset in the cache after the committed tokens
-        last_rows: dict[int, torch.Tensor] = {}  # node -> next-token logits [V], from the latest forward
         seed = self._kept_provisional(session, token_ids)
         session.path_tokens, session.path_probs = [], []
-        start = time.perf_counter()
-        if seed:
-            for token, prob in seed:
-                tree.add(len(tree) - 1, token, prob)
-            for node in range(len(seed) - 1):
-                slot[node] = node  # the cache already holds them, in order, right after the committed tokens
-            frontier = [len(seed) - 1]
-            root_logits = None
-        else:
-            root_logits = self._catch_up(session, token_ids)[-1]  # [V] after the root (last committed token)
-            frontier = [-1]
+        for node in range(len(seed) - 1):
+            slot[node] = node  # the cache already holds them, in order, right after the committed tokens
+        root_logits = None if seed else self._catch_up(session, token_ids)[-1]  # [V] after the root
 
-        def forward(nodes: list[int]) -> torch.Tensor:
+        def forward(tree: GrowingTree, nodes: list[int]) -> torch.Tensor:
             """Next-token logits of each node ([F, V]); one draft forward for the non-root ones."""
-            rows = {}
-            if -1 in nodes:
-                rows[-1] = root_logits
+            rows = {-1: root_logits} if -1 in nodes else {}
             run = [n for n in nodes if n >= 0]
             if run:
                 out = self._expand(session.cache, committed, TokenTree(tuple(tree.token_ids), tuple(tree.parents)),
                                    slot, run)  # [F, V]
                 rows.update(zip(run, out))
-            last_rows.clear()
-            last_rows.update(rows)
             return torch.stack([rows[n] for n in nodes])  # [F, V]
 
-        def expand(nodes: list[int]) -> list[list[tuple[int, float]]]:
-            probs = forward(nodes).softmax(dim=-1)  # [F, V]
-            values, indices = probs.topk(3, dim=-1)  # [F, 3]: at most 3 candidates can be above 0.3
-            return [list(zip(indices[r].tolist(), values[r].tolist())) for r in range(len(nodes))]
-
-        leaf = -1
-        try:
-            if seed:
-                yield GrowthStep(0, tuple(tree.token_ids), tuple(tree.parents), tuple(tree.draft_probs),
-                                 seeded=len(seed), draft_ms=(time.perf_counter() - start) * 1e3)
-            finished = True
-            for step in grow_tree(expand, max_nodes, self.growth_policy, tree=tree, frontier=frontier):
-                if control.verifying is not None or control.closed:
-                    finished = False  # the verifier already has fewer nodes than this forward made
-                    break
-                yield GrowthStep(step.first, step.token_ids, step.parents, step.draft_probs,
-                                 draft_ms=(time.perf_counter() - start) * 1e3)
-                start = time.perf_counter()  # not counting the time the consumer held us at the yield
-            if finished:
-                yield GrowthStep(len(tree), (), (), (), done=True)
-            control.wait()
-            num_verified = control.verifying if control.verifying is not None else 0
-            tree.truncate(num_verified)
+        def forget(num_verified: int) -> None:
             for node in [n for n in slot if n >= num_verified]:
-                del slot[node]  # their cache rows stay (masked out) until the compaction below
-            leaf = best_leaf(tree)
-            start = time.perf_counter()
-            for _ in range(provisional_max if leaf >= 0 else 0):
-                if control.closed:
-                    break
-                row = last_rows[leaf] if leaf in last_rows else forward([leaf])[0]  # [V]
-                prob, token = row.softmax(dim=-1).max(dim=-1)
-                leaf = tree.add(leaf, int(token), float(prob))
-                yield GrowthStep(leaf, (int(token),), (tree.parents[leaf],), (float(prob),), provisional=True,
-                                 draft_ms=(time.perf_counter() - start) * 1e3)
-                start = time.perf_counter()
+                del slot[node]  # their cache rows stay (masked out) until the compaction in _keep_path
+
+        round_ = GrowthRound(forward, forget)
+        try:
+            yield from round_.run(seed, max_nodes, growth_policy(self.config), control, provisional_max)
         finally:
-            self._keep_path(session, token_ids, tree, slot, leaf)
+            self._keep_path(session, token_ids, round_.tree, slot, round_.leaf)
 
     def _kept_provisional(self, session: _ModelSession, token_ids: list[int]) -> list[tuple[int, float]]:
         """Last round's provisional tokens that continue ``token_ids`` and whose KV (all but the last) is

@@ -25,6 +25,7 @@ from specsplit.tree import TokenTree, union_trees
 
 log = logging.getLogger("orchestrator.generation")
 
+STREAMING_DRAFTERS = ("model", "eagle")  # drafters that stream growing trees (DraftTree)
 DRAFT_CHOICES = ("auto", "ngram", "model", "eagle", "eagle+ngram", "medusa", "medusa+ngram", "none")
 MEDUSA = ("medusa", "medusa+ngram")  # self-speculation in the verifier (+ngram: merged with a lookup draft's tree)
 
@@ -141,9 +142,10 @@ class DraftMixin:
 
     # -- streamed trees: the verification trigger and provisional generation -----------------------------
     def _streams_trees(self, session: LiveSession) -> bool:
-        """Greedy sessions with a model draft grow their trees on the draft and verify on the trigger."""
+        """Greedy sessions with a model or feature (EAGLE) draft grow their trees on the draft and verify on
+        the trigger; lookup drafts (n-gram, merged with one or not) send whole trees sized by the budget."""
         return (self.config.trigger != "budget" and session.sampling.greedy and session.draft_usable()
-                and self._drafter_name(session) == "model")
+                and self._drafter_name(session) in STREAMING_DRAFTERS)
 
     def _tree_round(self, session: LiveSession, remaining: int, verify) -> "TreeRound":
         """One round: stream the draft's growing tree until the trigger fires, verify it while the draft goes
@@ -167,8 +169,10 @@ class DraftMixin:
             try:
                 stream = session.draft.draft_tree(session.id, session.unsent, len(session.token_ids), max_nodes,
                                                   self.config.provisional_max,
-                                                  timeout=self.config.verify_timeout_s + self.config.draft_timeout_s)
+                                                  timeout=self.config.verify_timeout_s + self.config.draft_timeout_s,
+                                                  features=session.features)
                 session.unsent = []
+                session.features = []
                 # The first step may wait for the previous round's last forward and catch up on many tokens.
                 timeout = self.config.draft_timeout_s * 5
                 while True:
