@@ -69,5 +69,6 @@ def test_feature_bytes_are_span_attributes(target):
             if s.name in ("specsplit.verifier.verify", "specsplit.verifier.prefill")]
     assert sum(sent) == total  # what the verifier sent is what the rounds report
     received = [s.attributes["specsplit.feature_bytes"] for s in spans
-                if s.name == "specsplit.draft.propose" and "specsplit.feature_bytes" in s.attributes]
+                if s.name in ("specsplit.draft.propose", "specsplit.draft.grow")  # whole or streamed trees
+                and "specsplit.feature_bytes" in s.attributes]
     assert received and sum(received) <= total  # the draft got them (the last round's are never forwarded)
