@@ -113,11 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="verifier: how long a batch waits at most for its other active sessions (default 40)")
     serve.add_argument("--max-batch-tokens", type=int, default=512, help="verifier: tokens per batch (default 512)")
     serve.add_argument("--grow-width", type=int, default=DraftConfig.grow_width,
-                       help="model draft: frontier nodes expanded per draft forward (default %(default)s; 1 = one "
+                       help="model and eagle drafts: frontier nodes expanded per draft forward (default %(default)s; 1 = one "
                             "branch: cheapest per forward on a CPU draft, where a 4-node forward costs ~2.5x a 1-node "
                             "one)")
     serve.add_argument("--branch-threshold", type=float, default=DraftConfig.branch_threshold,
-                       help="model draft: a candidate above this probability opens a new branch (default "
+                       help="model and eagle drafts: a candidate above this probability opens a new branch (default "
                             "%(default)s, LLMCad's; 1 = never branch)")
     _model_flags(serve)
     _tree_flags(serve)
@@ -129,7 +129,7 @@ def _tree_flags(parser: argparse.ArgumentParser) -> None:
 
     d = OrchestratorConfig()
     group = parser.add_argument_group(
-        "streamed trees (orchestrator; greedy requests with a model draft)",
+        "streamed trees (orchestrator; greedy requests with a model or eagle draft)",
         "The draft streams a width-adaptive tree as it grows; the orchestrator sends it for verification when "
         "the tree's confidence falls below a threshold alpha, and the draft keeps drafting from the best "
         "branch while it is verified (provisional tokens; kept when they continue the committed text).")

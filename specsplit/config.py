@@ -60,13 +60,14 @@ class OrchestratorConfig:
     offload_min_tokens: int = 256  # below this, re-prefill is about as fast as a restore: not worth the bytes
     offload_dtype: str = ""  # "" keeps the cache's dtype (token-identical); "float16" halves an fp32 blob
     max_streams: int = 256  # concurrent Generate streams (each holds a server thread); matches the verifier's sessions
-    # Greedy sessions with a model draft stream width-adaptive trees (DraftTree) and verify when the
+    # Greedy sessions with a model or eagle draft stream width-adaptive trees (DraftTree) and verify when the
     # trigger says so; "budget" keeps the older per-round node budget (Propose). See bench/network.py.
     # Default: the goodput trigger with provisional drafting, the one setting that is never far from
     # the best with either kind of draft measured (bench/results/network*.md, edge and cloud on separate
     # cores). With a draft that is always right (the target as draft) it ran at 0.79-1.09x of fixed-4 +
     # provisional across four runs at RTT 0 / 50 (geomean over RTT 0-100 in the first: 8.83 vs 9.33
-    # tokens/s); with the shipped draft_lm, usually wrong, at 1.4-1.9x of it (RTT 0 / 50, two runs).
+    # tokens/s); with the shipped draft_lm, usually wrong, at 1.4-1.9x of it (RTT 0 / 50, two runs); with
+    # the streamed eagle drafter at 1.00-1.02x of the best fixed size (fixed-1) at RTT 0-100 (three runs).
     trigger: str = "goodput"  # goodput | edgellm | fixed | budget
     fixed_tree_nodes: int = 4  # trigger "fixed": verify at this many nodes
     tree_max_nodes: int = 48  # node budget of a streamed tree (any trigger)
