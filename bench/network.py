@@ -17,7 +17,8 @@ by token against HF greedy of the target):
     fixed-N     verify when the streamed tree has N nodes (--fixed-sizes; the best of them is "best fixed")
     edgellm     verify when tree confidence T < alpha, EdgeLLM's alpha rule
     goodput     verify when T < alpha, alpha from measured draft, verify and network costs
-    each with provisional generation off (+0) and on (+prov), plus one n-gram row (code-edit prompt).
+    each with provisional generation off (+0) and on (+prov), plus one n-gram row (code-edit prompt);
+    budget+0 (--configs): whole trees sized by the orchestrator's budget controller, not streamed.
 
 Results merge into <out>/network.json (one entry per RTT, so RTTs can be run one at a time) and
 <out>/network.md and <out>/network.png (tokens/s against RTT) are rewritten from all of it.
@@ -27,12 +28,10 @@ Results merge into <out>/network.json (one entry per RTT, so RTTs can be run one
     python bench/network.py --rtts 50 --configs goodput+prov,fixed-8+0   # a subset
     python bench/network.py --report-only                             # redraw md/png from the json
 
-The draft is the target itself (--draft-model, default the target's cache directory): a
-full-acceptance control that shows network and trigger effects, not a realistic draft cost; or a
-trained draft: --draft-model DIR (a draft LM) or --drafter eagle (the feature drafter, which reads the
-target's features that come back with every verification). Edge and
-cloud are separate machines: each host's processes get their own core (--edge-cpus 0 --cloud-cpus 1,
-1 torch thread each, the defaults), so drafting and verification really run at the same time.
+The draft is the target itself (default): a full-acceptance control, not a realistic draft cost; or
+a trained one, --draft-model DIR (a draft LM) or --drafter eagle. Edge and cloud are separate machines:
+each host's processes get their own core (--edge-cpus 0 --cloud-cpus 1, 1 torch thread each), so
+drafting and verification really run at the same time.
 """
 
 from __future__ import annotations
@@ -322,17 +321,14 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    names = []
-    for r in rows:
-        if r["config"] not in names:
-            names.append(r["config"])
-    for name in names:
+    for name in dict.fromkeys(r["config"] for r in rows):
         pts = sorted((r["rtt_ms"], r["tokens_per_s"]) for r in rows if r["config"] == name)
         style = "-" if name.endswith("+prov") else ("--" if name.endswith("+0") else ":")
         ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=name)
     ax.set_xlabel("RTT between edge and cloud (ms)")
     ax.set_ylabel("tokens/s")
-    ax.set_title("specsplit across a delayed network (draft = target, greedy)")
+    drafter = rows[0].get("drafter", "model").split(":")[0] if rows else "model"  # model:<dir> or eagle
+    ax.set_title(f"specsplit across a delayed network ({drafter} draft, greedy)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
@@ -350,33 +346,27 @@ def parse_args(argv=None):
     parser.add_argument("--fixed-sizes", default="4,8,16", help="fixed tree sizes to compare (default 4,8,16)")
     parser.add_argument("--configs", default="", help="comma-separated subset of the configurations (default all)")
     parser.add_argument("--provisional-max", type=int, default=16, help="provisional tokens per verification (default 16)")
-    parser.add_argument("--grow-width", type=int, default=4, help="the model draft's --grow-width (specsplit serve)")
-    parser.add_argument("--branch-threshold", type=float, default=0.3, help="the model draft's --branch-threshold")
+    parser.add_argument("--grow-width", type=int, default=4, help="the draft's --grow-width (specsplit serve)")
+    parser.add_argument("--branch-threshold", type=float, default=0.3, help="the draft's --branch-threshold")
     parser.add_argument("--draft-timeout", type=float, default=10.0,
                         help="orchestrator's draft timeout, s (default 10; the service default 2 is tight on a busy CPU)")
     parser.add_argument("--target-model", default=None, help="target (default SmolLM2-135M-Instruct)")
     parser.add_argument("--draft-model", default=None, help="draft model dir (default: the target's own cache dir)")
-    parser.add_argument("--drafter", choices=["model", "eagle"], default="model",
-                        help="the streamed draft: model (an HF model, --draft-model) or eagle (the shipped feature "
-                             "drafter, or --draft-artifact; the verifier sends it the target's features)")
+    parser.add_argument("--drafter", choices=["model", "eagle"], default="model", help="the streamed draft: model "
+                        "(--draft-model) or eagle (the feature drafter; the verifier sends it the target's features)")
     parser.add_argument("--draft-artifact", default=None, help="eagle artifact dir (default: the shipped one)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
-    parser.add_argument("--edge-cpus", default="0",
-                        help="taskset CPU list of the edge host's processes: draft, orchestrator, client (default 0; '' = "
-                             "no pinning)")
-    parser.add_argument("--cloud-cpus", default="1",
-                        help="taskset CPU list of the cloud host's processes: verifier, relays (default 1: edge and cloud "
-                             "are separate machines, so they get separate cores; give both 0 to share one core)")
+    parser.add_argument("--edge-cpus", default="0", help="taskset CPUs of the edge host: draft, orchestrator, client "
+                        "(default 0; '' = no pinning)")
+    parser.add_argument("--cloud-cpus", default="1", help="taskset CPUs of the cloud host: verifier, relays (default 1: "
+                        "separate machines get separate cores; give both 0 to share one core)")
     parser.add_argument("--no-netns", action="store_true", help="skip namespaces: loopback relay (labelled so)")
     parser.add_argument("--out", default=str(HERE / "results"), help="results directory (default bench/results)")
     parser.add_argument("--report-only", action="store_true", help="rewrite network.md/png from network.json")
     parser.add_argument("--conditions", default="", help="a line describing the machine, stored with the results")
-    # internal: the driver process inside the edge host
-    parser.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--driver-out", help=argparse.SUPPRESS)
-    parser.add_argument("--verifier-for-rtt", help=argparse.SUPPRESS)
-    parser.add_argument("--draft", help=argparse.SUPPRESS)
-    parser.add_argument("--ngram", help=argparse.SUPPRESS)
+    parser.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)  # the driver process on the edge
+    for internal in ("--driver-out", "--verifier-for-rtt", "--draft", "--ngram"):
+        parser.add_argument(internal, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.rtts = [int(x) for x in args.rtts.split(",") if x]
     sizes = [int(x) for x in args.fixed_sizes.split(",") if x]

@@ -126,15 +126,17 @@ class FeatureProposer:
 
         def forward(tree, nodes: list[int]) -> torch.Tensor:
             """[F, V'] the drafter's next-token logits of each node; one drafter forward for the non-root ones."""
-            nonlocal tree_kv
             run = [n for n in nodes if n >= 0]
-            if run:
-                tokens = TokenTree(tuple(tree.token_ids), tuple(tree.parents))
-                out, tree_kv = self._runner(self._expand, session, committed, tokens, run, predicted, slot, tree_kv)
-                for row, node in enumerate(run):
-                    predicted[node] = out[row]  # [H]
-            features = torch.stack([predicted[n] for n in nodes])  # [F, H]
-            return self._runner(self._logits, features)  # [F, V']
+            tokens = TokenTree(tuple(tree.token_ids), tuple(tree.parents))
+
+            def on_model_thread() -> torch.Tensor:
+                nonlocal tree_kv
+                if run:
+                    out, tree_kv = self._expand(session, committed, tokens, run, predicted, slot, tree_kv)  # [F, H]
+                    predicted.update(zip(run, out))
+                return self._logits(torch.stack([predicted[n] for n in nodes]))  # [F, H] -> [F, V']
+
+            return self._runner(on_model_thread)
 
         def forget(num_verified: int) -> None:
             for node in [n for n in slot if n >= num_verified]:
