@@ -159,7 +159,10 @@ class DraftMixin:
         if session.state.draft_down_until:  # the draft failed earlier and its pause is over: start it again
             session.draft = self._draft_replica_after(session.draft)
             self._start_draft(session)
-        max_nodes = 0 if session.state.draft_down_until else min(self._max_nodes(session.draft), self.config.tree_max_nodes, max(remaining - 1, 0))
+        if session.state.draft_down_until or not trigger.wants_draft():
+            max_nodes = 0  # the target decodes alone this round
+        else:
+            max_nodes = min(self._max_nodes(session.draft), self.config.tree_max_nodes, max(remaining - 1, 0))
         started = time.perf_counter()
         tree = GrowingTree()
         steps = seeded = 0
@@ -225,7 +228,7 @@ class DraftMixin:
         trigger.observe(RoundOutcome(
             num_drafted=len(branch), num_accepted=accepted,
             confidences=tuple(tree.confidence[n] for n in branch), committed=len(committed), round_ms=round_ms,
-            draft_steps=steps, draft_ms=step_ms))
+            draft_steps=steps, draft_ms=step_ms, plain=not len(tree)))
         wasted = len(tree) - accepted + len(provisional) - min(len(kept), len(provisional))
         return TreeRound(token_tree, draft_ms if len(tree) else None, verdict, timing, wasted, seeded)
 

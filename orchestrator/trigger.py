@@ -14,7 +14,10 @@ How α moves is the policy:
   on the best branch gains about T^γ expected tokens for ``step_ms``; it pays while that beats the
   committed tokens per ms the session achieves (round time measured end to end, so network round trips
   and verify forwards are in it). So α = (rate · step_ms)^(1/γ): a slow network or verifier lowers the
-  rate, and trees grow deeper.
+  rate, and trees grow deeper. It also decides whether to draft at all: target-only rounds (no tree)
+  have their own measured rate, and the round type with the higher one is used, the other probed once
+  every ``probe_every`` rounds, so a draft that does not pay (a weak draft next to a fast verifier)
+  costs no more than plain decoding.
 - ``FixedSize``: verify once the tree has ``size`` nodes (the comparison baseline).
 
 All three are pure and driven by ``observe(RoundOutcome)``.
@@ -46,6 +49,7 @@ class RoundOutcome:
     round_ms: float  # wall time of the round at the orchestrator: drafting until the trigger + verify incl. network
     draft_steps: int  # draft forwards until the trigger
     draft_ms: float  # draft forward time until the trigger, as the draft measured it
+    plain: bool = False  # nothing was drafted: the target decoded alone (committed = 1)
 
 
 @dataclass
@@ -58,6 +62,9 @@ class FixedSize:
 
     def provisional_worth(self, branch_confidence: float) -> bool:
         return True  # no model of acceptance: always draft provisionally
+
+    def wants_draft(self) -> bool:
+        return True
 
     def observe(self, outcome: RoundOutcome) -> None:
         pass
@@ -72,6 +79,9 @@ class EdgeLLMThreshold:
 
     def provisional_worth(self, branch_confidence: float) -> bool:
         return True  # the paper's rule has no model of acceptance: always draft provisionally
+
+    def wants_draft(self) -> bool:
+        return True  # the paper's rule has no cost model: always draft
 
     def observe(self, outcome: RoundOutcome) -> None:
         n_all, n_correct = outcome.num_drafted, outcome.num_accepted
@@ -92,6 +102,14 @@ class GoodputThreshold:
     gamma: float = 1.0  # P(branch accepted) = confidence^gamma, decayed fit
     gamma_range: tuple[float, float] = (0.02, 8.0)
     fitted: bool = False  # gamma has seen an outcome
+    # Drafted vs target-only rounds: decayed sums of committed tokens and of round ms for each kind, so each
+    # kind's rate is tokens over time (a mean of per-round ratios would let a few rejected rounds swing it).
+    drafted: tuple[float, float] = (0.0, 0.0)  # (tokens, ms)
+    plain: tuple[float, float] = (0.0, 0.0)  # (tokens, ms)
+    decay: float = 0.95  # per round of that kind
+    warmup: int = 4  # drafted rounds before the first target-only probe
+    probe_every: int = 16  # rounds of the better round type between probes of the other
+    since_probe: int = 0  # rounds since the last probe (or since the start)
 
     def should_verify(self, confidence: float, num_nodes: int) -> bool:
         return confidence < self.alpha
@@ -101,7 +119,27 @@ class GoodputThreshold:
         is branch_confidence^γ (the model fitted in ``observe``; before any outcome: assume so)."""
         return not self.fitted or branch_confidence ** self.gamma >= PROVISIONAL_MIN_CHANCE
 
+    def _draft_is_better(self) -> bool:
+        (dt, dms), (pt, pms) = self.drafted, self.plain
+        return pms <= 0 or dt * pms >= pt * dms  # dt / dms >= pt / pms
+
+    def wants_draft(self) -> bool:
+        """Draft this round, or let the target decode alone: the round type with the higher measured rate,
+        the other one once after every ``probe_every`` rounds (target-only first probed after ``warmup``)."""
+        if self.drafted[1] <= 0:
+            return True  # measure drafting first
+        due = self.since_probe >= (self.warmup if self.plain[1] <= 0 else self.probe_every)
+        return self._draft_is_better() != due
+
     def observe(self, outcome: RoundOutcome) -> None:
+        probed = (not outcome.plain) != self._draft_is_better()
+        self.since_probe = 0 if probed else self.since_probe + 1
+        if outcome.round_ms > 0:
+            tokens, ms = self.plain if outcome.plain else self.drafted
+            kind = (self.decay * tokens + outcome.committed, self.decay * ms + outcome.round_ms)
+            self.plain, self.drafted = (kind, self.drafted) if outcome.plain else (self.plain, kind)
+        if outcome.plain:
+            return
         if outcome.round_ms > 0 and outcome.committed > 0:
             self.rate = self._mix(self.rate, outcome.committed / outcome.round_ms)
         if outcome.draft_steps > 0 and outcome.draft_ms > 0:

@@ -43,7 +43,9 @@ def test_draft_equals_target(target, trigger, provisional):
             assert tokens == hf_greedy(target.model, prompt, 48)
             drafted = [s for s in stats if s.num_draft_tokens]
             assert drafted and all(s.drafter == "model" for s in drafted)
-            assert sum(s.num_committed for s in stats) / len(stats) > 2  # the whole greedy branch accepted
+            # the whole greedy branch accepted (goodput may let the target decode alone between drafted rounds:
+            # on this tiny model a plain round is faster than a drafted one)
+            assert sum(s.num_committed for s in drafted) / len(drafted) > 2
             kept += sum(s.provisional_kept for s in stats)
         if provisional:
             assert kept > 0  # provisional tokens continued the committed path and seeded trees

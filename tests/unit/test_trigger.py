@@ -89,3 +89,43 @@ def test_make_trigger():
     assert make_trigger("fixed", 12).size == 12
     with pytest.raises(ValueError):
         make_trigger("nope")
+
+
+def rounds_taken(trigger, drafted: RoundOutcome, plain: RoundOutcome, n: int) -> list[bool]:
+    """Which rounds the trigger drafted (True) or left to the target alone, each answered with the given outcome."""
+    taken = []
+    for _ in range(n):
+        taken.append(trigger.wants_draft())
+        trigger.observe(drafted if taken[-1] else plain)
+    return taken
+
+
+def test_goodput_lets_the_target_decode_alone_when_drafting_does_not_pay():
+    plain = RoundOutcome(0, 0, (), 1, 40.0, 0, 0.0, plain=True)  # 0.025 tokens/ms
+    weak = outcome(4, 0, committed=1, round_ms=60.0)  # 0.017 tokens/ms: drafting loses
+    taken = rounds_taken(GoodputThreshold(), weak, plain, 60)
+    assert taken[:5] == [True, True, True, True, False]  # drafting measured first, then one target-only probe
+    assert taken[5:22] == [False] * 16 + [True]  # target alone, one drafted probe every probe_every rounds
+    assert sum(taken) == 4 + 3  # warm-up, then probes at rounds 22, 39, 56
+
+    good = outcome(4, 3, committed=4, round_ms=80.0)  # 0.05 tokens/ms: drafting wins
+    taken = rounds_taken(GoodputThreshold(), good, plain, 60)
+    assert taken[:5] == [True, True, True, True, False]
+    assert taken[5:22] == [True] * 16 + [False] and len(taken) - sum(taken) == 4  # rounds 5, 22, 39, 56
+
+
+def test_edgellm_and_fixed_always_draft():
+    assert EdgeLLMThreshold().wants_draft() and FixedSize(4).wants_draft()
+
+
+def test_goodput_compares_tokens_over_time_not_single_rounds():
+    """Drafted rounds alternately rejected (1 token) and accepted (3) in 100 ms: 0.02 tokens/ms over time,
+    beating target-only rounds (1 token in 60 ms, 0.017), though every rejected round alone is slower."""
+    plain = RoundOutcome(0, 0, (), 1, 60.0, 0, 0.0, plain=True)
+    t = GoodputThreshold()
+    taken = []
+    for _ in range(80):
+        taken.append(t.wants_draft())
+        drafted = sum(taken)
+        t.observe((outcome(3, 0, committed=1) if drafted % 2 else outcome(3, 2, committed=3)) if taken[-1] else plain)
+    assert len(taken) - sum(taken) == 5  # only the probes: rounds 4, 21, 38, 55, 72
