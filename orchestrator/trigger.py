@@ -15,9 +15,9 @@ How α moves is the policy:
   committed tokens per ms the session achieves (round time measured end to end, so network round trips
   and verify forwards are in it). So α = (rate · step_ms)^(1/γ): a slow network or verifier lowers the
   rate, and trees grow deeper. It also decides whether to draft at all: target-only rounds (no tree)
-  have their own measured rate, and the round type with the higher one is used, the other probed once
-  every ``probe_every`` rounds, so a draft that does not pay (a weak draft next to a fast verifier)
-  costs no more than plain decoding.
+  have their own measured rate, and the round type with the higher one is used (switching only for a
+  5% better rate), the other probed once every ``probe_every`` rounds, so a draft that does not pay (a
+  weak draft next to a fast verifier) costs no more than plain decoding.
 - ``FixedSize``: verify once the tree has ``size`` nodes (the comparison baseline).
 
 All three are pure and driven by ``observe(RoundOutcome)``.
@@ -107,6 +107,8 @@ class GoodputThreshold:
     drafted: tuple[float, float] = (0.0, 0.0)  # (tokens, ms)
     plain: tuple[float, float] = (0.0, 0.0)  # (tokens, ms)
     decay: float = 0.95  # per round of that kind
+    drafting: bool = True  # the kind of round preferred now
+    switch_margin: float = 0.05  # the other kind must be this much faster to be preferred (estimates are noisy)
     warmup: int = 4  # drafted rounds before the first target-only probe
     probe_every: int = 16  # rounds of the better round type between probes of the other
     since_probe: int = 0  # rounds since the last probe (or since the start)
@@ -119,9 +121,14 @@ class GoodputThreshold:
         is branch_confidence^γ (the model fitted in ``observe``; before any outcome: assume so)."""
         return not self.fitted or branch_confidence ** self.gamma >= PROVISIONAL_MIN_CHANCE
 
-    def _draft_is_better(self) -> bool:
+    def _prefer_drafting(self) -> bool:
         (dt, dms), (pt, pms) = self.drafted, self.plain
-        return pms <= 0 or dt * pms >= pt * dms  # dt / dms >= pt / pms
+        if pms <= 0 or dms <= 0:
+            return True
+        drafted, plain = dt / dms, pt / pms
+        if self.drafting:
+            return plain <= drafted * (1 + self.switch_margin)
+        return drafted > plain * (1 + self.switch_margin)
 
     def wants_draft(self) -> bool:
         """Draft this round, or let the target decode alone: the round type with the higher measured rate,
@@ -129,15 +136,16 @@ class GoodputThreshold:
         if self.drafted[1] <= 0:
             return True  # measure drafting first
         due = self.since_probe >= (self.warmup if self.plain[1] <= 0 else self.probe_every)
-        return self._draft_is_better() != due
+        return self.drafting != due
 
     def observe(self, outcome: RoundOutcome) -> None:
-        probed = (not outcome.plain) != self._draft_is_better()
+        probed = (not outcome.plain) != self.drafting
         self.since_probe = 0 if probed else self.since_probe + 1
         if outcome.round_ms > 0:
             tokens, ms = self.plain if outcome.plain else self.drafted
             kind = (self.decay * tokens + outcome.committed, self.decay * ms + outcome.round_ms)
             self.plain, self.drafted = (kind, self.drafted) if outcome.plain else (self.plain, kind)
+            self.drafting = self._prefer_drafting()
         if outcome.plain:
             return
         if outcome.round_ms > 0 and outcome.committed > 0:
