@@ -67,7 +67,8 @@ class OrchestratorConfig:
     # cores). With a draft that is always right (the target as draft) it ran at 0.79-1.09x of fixed-4 +
     # provisional across four runs at RTT 0 / 50 (geomean over RTT 0-100 in the first: 8.83 vs 9.33
     # tokens/s); with the shipped draft_lm, usually wrong, at 1.4-1.9x of it (RTT 0 / 50, two runs); with
-    # the streamed eagle drafter at 1.00-1.02x of the best fixed size (fixed-1) at RTT 0-100 (three runs).
+    # the streamed eagle drafter at 1.00-1.02x of the best fixed size (fixed-1) at RTT 0-100 (three runs),
+    # 1.01-1.24x once it could also choose target-only rounds (bench/results/network_eagle.md, run E).
     trigger: str = "goodput"  # goodput | edgellm | fixed | budget
     fixed_tree_nodes: int = 4  # trigger "fixed": verify at this many nodes
     tree_max_nodes: int = 48  # node budget of a streamed tree (any trigger)
