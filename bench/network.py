@@ -18,7 +18,10 @@ by token against HF greedy of the target):
     edgellm     verify when tree confidence T < alpha, EdgeLLM's alpha rule
     goodput     verify when T < alpha, alpha from measured draft, verify and network costs
     each with provisional generation off (+0) and on (+prov), plus one n-gram row (code-edit prompt);
-    budget+0 (--configs): whole trees sized by the orchestrator's budget controller, not streamed.
+    budget+0 (--configs): whole trees sized by the orchestrator's budget controller, not streamed;
+    none (--configs): no draft, the target decoding alone on the cloud (what serving without specsplit's
+    draft gives); any config@bN (--configs): at most N tokens per decode burst (@b1: one token a
+    request, as before bursts) instead of the orchestrator's default (OrchestratorConfig.burst_max).
 
 Results merge into <out>/network.json (one entry per RTT, so RTTs can be run one at a time) and
 <out>/network.md and <out>/network.png (tokens/s against RTT) are rewritten from all of it.
@@ -67,19 +70,32 @@ def all_configs(fixed_sizes: list[int]) -> list[str]:
     return [f"{n}+{p}" for n in names for p in ("0", "prov")] + ["ngram"]
 
 
+def parse_config(name: str) -> tuple[str, str, int | None]:
+    """'goodput+prov@b1' -> ('goodput', 'prov', 1): trigger or row kind, provisional ('0', 'prov' or ''),
+    decode-burst cap (None: the orchestrator's default)."""
+    name, _, burst = name.partition("@b")
+    base, _, prov = name.partition("+")
+    return base, prov, int(burst) if burst else None
+
+
 def orchestrator_config(name: str, provisional_max: int, draft_timeout_s: float):
     from specsplit.config import OrchestratorConfig
 
     # A shared, overloaded CPU can make one draft forward take seconds: a longer draft timeout than the
     # service default keeps such stalls from turning into target-only rounds (counted as target_only_rounds).
-    if name == "ngram":
-        return OrchestratorConfig(trigger="budget", draft_timeout_s=draft_timeout_s)
-    base, prov = name.split("+")
+    base, prov, burst = parse_config(name)
+    common = {"draft_timeout_s": draft_timeout_s, **({"burst_max": burst} if burst else {})}
+    if base in ("ngram", "none"):
+        return OrchestratorConfig(trigger="budget", **common)
     provisional = provisional_max if prov == "prov" else 0
     if base.startswith("fixed-"):
-        return OrchestratorConfig(trigger="fixed", fixed_tree_nodes=int(base[6:]), provisional_max=provisional,
-                                  draft_timeout_s=draft_timeout_s)
-    return OrchestratorConfig(trigger=base, provisional_max=provisional, draft_timeout_s=draft_timeout_s)
+        return OrchestratorConfig(trigger="fixed", fixed_tree_nodes=int(base[6:]), provisional_max=provisional, **common)
+    return OrchestratorConfig(trigger=base, provisional_max=provisional, **common)
+
+
+def draft_choice(name: str, drafter: str) -> str:
+    base = parse_config(name)[0]
+    return base if base in ("ngram", "none") else drafter
 
 
 # -- hosts --------------------------------------------------------------------------------------------
@@ -200,7 +216,7 @@ def drive(args) -> None:
             draft_address = args.ngram if name == "ngram" else args.draft
             orch = Orchestrator([RemoteVerifier(verifiers[str(rtt)])], [RemoteDraft(draft_address)], tokenizer, config)
             orch.verifier_info  # connect (TCP + HTTP/2 setup through the relay) before timing
-            orch.pick_draft("ngram" if name == "ngram" else args.drafter)
+            orch.pick_draft(draft_choice(name, args.drafter))
             orchs[name] = orch
         for i, p in enumerate(prompts):
             order = args.config_list[i % len(args.config_list):] + args.config_list[:i % len(args.config_list)]
@@ -210,7 +226,7 @@ def drive(args) -> None:
                 prompt = code if name == "ngram" else p
                 prompt_ids, expected = references[prompt["id"]]
                 request = GenerationRequest(prompt_token_ids=prompt_ids, max_new_tokens=args.max_new_tokens,
-                                            draft="ngram" if name == "ngram" else args.drafter)
+                                            draft=draft_choice(name, args.drafter))
                 start = time.perf_counter()
                 chunks = list(orchs[name].generate(request))
                 elapsed = time.perf_counter() - start
@@ -221,7 +237,8 @@ def drive(args) -> None:
                     "drafted": sum(s.num_draft_tokens for s in stats), "accepted": sum(s.num_accepted for s in stats),
                     "wasted": sum(s.wasted for s in stats), "provisional_kept": sum(s.provisional_kept for s in stats),
                     "identical": tokens == expected,
-                    "target_only_rounds": sum(s.drafter == "none" for s in stats),  # draft fallbacks (timeouts)
+                    "target_only_rounds": sum(s.drafter == "none" for s in stats),  # fallbacks, goodput's plain rounds
+                    "decoded": sum(s.num_decoded for s in stats),  # tokens the verifier decoded alone in bursts
                 })
         for name in args.config_list:
             orchs[name].close()
@@ -230,6 +247,7 @@ def drive(args) -> None:
             print(f"RTT {rtt:>3} ms  {name:<14} {row['tokens_per_s']:6.2f} tok/s  tau {row['tau']:5.2f}  "
                   f"verif/100 {row['verifications_per_100']:5.1f}  wasted {row['wasted']:4d}  "
                   f"kept {row['provisional_kept']:3d}  target-only rounds {row['target_only_rounds']}  "
+                  f"burst tokens {row['decoded']}  "
                   f"identical {row['identical']}", flush=True)
     pathlib.Path(args.driver_out).write_text(json.dumps(results))
 
@@ -245,7 +263,8 @@ def summarize(rtt: int, name: str, runs: list[dict]) -> dict:
         "verifications_per_100": 100.0 * rounds / tokens if tokens else 0.0,
         "wasted": sum(r["wasted"] for r in runs), "provisional_kept": sum(r["provisional_kept"] for r in runs),
         "identical": all(r["identical"] for r in runs),
-        "target_only_rounds": sum(r.get("target_only_rounds", 0) for r in runs), "runs": runs,
+        "target_only_rounds": sum(r.get("target_only_rounds", 0) for r in runs),
+        "decoded": sum(r.get("decoded", 0) for r in runs), "runs": runs,
     }
 
 
@@ -262,13 +281,15 @@ def report(data: dict, out: pathlib.Path) -> str:
     for rtt in rtts:
         at = [r for r in rows if r["rtt_ms"] == rtt]
         lines += [f"## RTT {rtt} ms ({at[0].get('network', data.get('network', ''))})", "",
-                  "| config | provisional | tokens/s | tau | verifications / 100 tok | wasted draft tokens | provisional kept | identical to HF |",
-                  "|---|---|--:|--:|--:|--:|--:|---|"]
+                  "| config | provisional | tokens/s | tau | verifications / 100 tok | wasted draft tokens | provisional kept "
+                  "| burst tokens | identical to HF |",
+                  "|---|---|--:|--:|--:|--:|--:|--:|---|"]
         for r in at:
-            base, _, prov = r["config"].partition("+")
-            lines.append(f"| {base} | {'on' if prov == 'prov' else ('-' if not prov else 'off')} | {r['tokens_per_s']:.2f} | "
+            base, prov, burst = parse_config(r["config"])
+            label = base + (f" @b{burst}" if burst else "")
+            lines.append(f"| {label} | {'on' if prov == 'prov' else ('-' if not prov else 'off')} | {r['tokens_per_s']:.2f} | "
                          f"{r['tau']:.2f} | {r['verifications_per_100']:.1f} | {r['wasted']} | {r['provisional_kept']} | "
-                         f"{'yes' if r['identical'] else 'NO'} |")
+                         f"{r.get('decoded', 0)} | {'yes' if r['identical'] else 'NO'} |")
         lines.append("")
         for suffix in ("+0", "+prov"):
             fixed = best_fixed(at, suffix)
@@ -284,6 +305,11 @@ def report(data: dict, out: pathlib.Path) -> str:
             on = next((r for r in at if r["config"] == base + "+prov"), None)
             if off and on:
                 lines.append(f"- provisional generation, {base}: {on['tokens_per_s'] / off['tokens_per_s']:.2f}x tokens/s")
+        for r in at:
+            single = next((x for x in at if x["config"] == r["config"] + "@b1"), None)
+            if single:
+                lines.append(f"- decode bursts, {r['config']}: {r['tokens_per_s'] / single['tokens_per_s']:.2f}x tokens/s "
+                             f"of one token a request ({r['config']}@b1)")
         lines.append("")
     zero = {r["config"]: r for r in rows if r["rtt_ms"] == 0}
     if zero:

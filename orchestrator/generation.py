@@ -24,7 +24,7 @@ from orchestrator.detok import TextStream
 from orchestrator.drafts import DraftMixin
 from orchestrator.placement import KvPlacement
 from orchestrator.replicas import ReplicaSet
-from orchestrator.session import LiveSession, controller_from_state, text_stream_at
+from orchestrator.session import LiveSession, burst_sizer, controller_from_state, text_stream_at
 from specsplit.config import OrchestratorConfig
 from specsplit.errors import FailedPrecondition, InvalidArgument, NotFound, SpecSplitError, StaleRound, Unavailable
 from specsplit.rpc import RpcError, VerifierInfo
@@ -137,6 +137,7 @@ class Orchestrator(DraftMixin):
         session = LiveSession(state, draft, controller_from_state(state, self._max_nodes(draft, request.draft)),
                               TextStream(self.tokenizer, list(request.stop)), owned=True)
         self._set_draft_mode(session, request.draft)
+        session.burst = burst_sizer(state, self.config, draft is not None or session.medusa)
         session.save_controller()
         self.store.create(state)  # a taken session id is refused here
         try:
@@ -160,6 +161,7 @@ class Orchestrator(DraftMixin):
         session = LiveSession(state, draft, controller_from_state(state, self._max_nodes(draft, state.draft)),
                               text_stream_at(self.tokenizer, state, min(client_has, state.generated)), owned=owned)
         self._set_draft_mode(session, state.draft)
+        session.burst = burst_sizer(state, self.config, draft is not None or session.medusa)
         if not owned:
             return session  # finished or cancelled: only what the client is missing is sent
         session.skip = max(0, client_has - state.generated)  # the store lost rounds the client had seen
@@ -292,27 +294,25 @@ class Orchestrator(DraftMixin):
                 span.set_attribute("specsplit.round", state.rounds)
                 wasted = kept_provisional = 0
                 if self._streams_trees(session):
-                    def verify(t):
-                        reply = self.placement.verify(session, t, remaining)
-                        return reply.verdict, reply.timing
-
-                    done = self._tree_round(session, remaining, verify)
+                    done = self._tree_round(session, remaining, lambda t: self._verify(session, t, remaining))
                     tree, draft_ms, verdict, timing = done.tree, done.draft_ms, done.verdict, done.timing
                     wasted, kept_provisional = done.wasted, done.provisional_kept
                 else:
                     budget = session.controller.choose(remaining - 1) if session.draft_usable() else 0
                     tree, draft_ms = self._propose(session, budget)
-                    reply = self.placement.verify(session, tree, remaining)
-                    verdict, timing = reply.verdict, reply.timing
+                    verdict, timing = self._verify(session, tree, remaining)
                     wasted = len(tree) - len(verdict.accepted_nodes)
                     # The tree's real cost is its share of the verifier's batched forward: under load the fixed
                     # cost of a forward is shared by many sessions, drafted tokens are relatively dearer, and the
-                    # controller drafts less (an older verifier reports no share: use its time).
+                    # controller drafts less (an older verifier reports no share: use its time). A target-only
+                    # round's cost is per token: its burst decoded them one forward each.
+                    cost_ms = (timing.cost_ms or timing.verify_ms) / (1 if len(tree) else len(verdict.committed_token_ids))
                     session.controller.observe(len(tree), len(verdict.accepted_nodes), _branch_depth(tree, verdict),
-                                               timing.cost_ms or timing.verify_ms, draft_ms if tree else None)
+                                               cost_ms, draft_ms if tree else None)
                 committed = list(verdict.committed_token_ids)
                 span.set_attribute("specsplit.num_draft_tokens", len(tree))
                 span.set_attribute("specsplit.num_accepted", len(verdict.accepted_nodes))
+                span.set_attribute("specsplit.num_decoded", len(verdict.decoded_token_ids))
                 span.set_attribute("specsplit.feature_bytes", session.feature_bytes)
             feature_bytes, session.feature_bytes = session.feature_bytes, 0
             session.unsent.extend(committed)
@@ -339,11 +339,20 @@ class Orchestrator(DraftMixin):
                 return
             stats = RoundStats(state.rounds, len(tree), len(verdict.accepted_nodes), len(kept), draft_ms or 0.0,
                                timing.verify_ms, self._drafter_name(session) if tree else "none", tree.depth,
-                               feature_bytes, wasted, kept_provisional)
+                               feature_bytes, wasted, kept_provisional, len(verdict.decoded_token_ids))
             if kept or text or finish:
                 yield Chunk(text, kept, stats=stats, finish_reason=finish)
             if finish:
                 return
+
+    def _verify(self, session: LiveSession, tree: TokenTree, remaining: int):
+        """Verify the round's tree -> (verdict, timing). With no tree the target decodes a burst of tokens
+        alone in the same request (``orchestrator.burst``), sized by the round trips measured so far."""
+        steps = 0 if len(tree) else session.burst.tokens(remaining) - 1
+        reply = self.placement.verify(session, tree, remaining, decode_steps=steps)
+        session.burst.observe(reply.timing.call_ms, reply.timing.verify_ms,
+                              len(reply.verdict.committed_token_ids), plain=not len(tree))
+        return reply.verdict, reply.timing
 
     @staticmethod
     def _add_text(session: LiveSession, tokens: list[int]) -> tuple[list[int], list[int], str, bool]:

@@ -143,7 +143,7 @@ class KvPlacement:
             self.restore(session)
 
     # -- a verification round, moving the session when its replica fails ---------------------------------
-    def verify(self, session, tree, max_commit: int):
+    def verify(self, session, tree, max_commit: int, decode_steps: int = 0):
         last = None
         for _ in range(2 * len(self.replicas.replicas) + 2):
             replica = session.replica
@@ -152,7 +152,7 @@ class KvPlacement:
                 replica = session.replica
             try:
                 reply = replica.client.verify_reply(session.id, tree, len(session.token_ids), max_commit,
-                                                    timeout=self.config.verify_timeout_s)
+                                                    timeout=self.config.verify_timeout_s, decode_steps=decode_steps)
                 replica.healthy = True  # it answered: back in rotation before the next health check
                 session.state.verifier_length = len(session.token_ids) + len(reply.verdict.committed_token_ids)
                 session.absorb(reply)

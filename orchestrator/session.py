@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from dataclasses import asdict, dataclass, field, replace
 
+from orchestrator.burst import BurstSizer
 from orchestrator.controller import BudgetController
 from orchestrator.detok import TextStream
 from specsplit.features import Features
@@ -34,6 +35,7 @@ class LiveSession:
     medusa: bool = False  # self-speculation: the verifier proposes the next tree (no draft service)
     proposal: TokenTree | None = None  # the verifier's Medusa tree for the next round
     trigger: object | None = None  # the verification trigger of streamed trees (orchestrator.trigger), per session
+    burst: BurstSizer = field(default_factory=BurstSizer)  # tokens a target-only round asks for
 
     @property
     def id(self) -> str:
@@ -75,6 +77,13 @@ def controller_from_state(state: SessionState, max_nodes: int) -> BudgetControll
     saved = dict(state.controller)
     saved["verify_ms"] = {int(k): v for k, v in saved.get("verify_ms", {}).items()}  # JSON keys are strings
     return BudgetController(**saved)
+
+
+def burst_sizer(state: SessionState, config, drafted: bool) -> BurstSizer:
+    """The session's decode-burst sizer (``orchestrator.burst``): one token a round for a seeded sampled
+    session with a draft (timings must not decide its rounds), else sized by the measured round trip."""
+    fixed = drafted and not state.sampling.greedy and state.sampling.seed is not None
+    return BurstSizer(config.burst_max, config.burst_overhead, fixed=fixed)
 
 
 def text_stream_at(tokenizer, state: SessionState, client_has: int) -> TextStream:

@@ -4,7 +4,8 @@ Terms (as in vLLM's rejection sampler):
 - accepted tokens: draft tokens the target agreed with, along one root-to-node path;
 - recovered token: the target's own token where it first disagreed with every child;
 - bonus token: the target's token after the last node when a whole branch was accepted.
-Either way the round commits ``accepted + [next_token]``, so every round commits >= 1 token.
+Either way the round commits ``accepted + [next_token]``, so every round commits >= 1 token; a decode
+burst (the target decoding alone after the verdict, in the same request) adds its decoded tokens.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ class Verdict:
     accepted_nodes: tuple[int, ...]  # [A] tree node indices along the accepted path
     accepted_token_ids: tuple[int, ...]  # [A] their tokens
     next_token_id: int  # the recovered or bonus token
+    decoded_token_ids: tuple[int, ...] = ()  # [D] the target's own tokens after it (a decode burst)
 
     @classmethod
     def along(cls, tree: TokenTree, accepted: list[int], next_token_id: int) -> "Verdict":
@@ -27,7 +29,7 @@ class Verdict:
 
     @property
     def committed_token_ids(self) -> tuple[int, ...]:
-        return (*self.accepted_token_ids, self.next_token_id)
+        return (*self.accepted_token_ids, self.next_token_id, *self.decoded_token_ids)
 
     @property
     def rows_to_keep(self) -> tuple[int, ...]:

@@ -143,13 +143,22 @@ def _tree_flags(parser: argparse.ArgumentParser) -> None:
                        help=f"largest streamed tree (default {d.tree_max_nodes})")
     group.add_argument("--provisional-max", type=int, default=d.provisional_max,
                        help=f"provisional tokens drafted during a verification (default {d.provisional_max}; 0: off)")
+    burst = parser.add_argument_group(
+        "decode bursts (orchestrator; rounds with no draft tree)",
+        "--draft none, a draft the goodput trigger finds not to pay, or a failed draft: the verifier decodes "
+        "several tokens alone per request, so a far verifier's round trip is paid once per burst, not per token.")
+    burst.add_argument("--burst-max", type=int, default=d.burst_max,
+                       help=f"most tokens per burst (default {d.burst_max}; 1: a token per request). Bursts are "
+                            f"sized so the measured round trip is at most {d.burst_overhead * 100:.0f}%% of a round: one "
+                            "token next to the verifier, ~10 at RTT 50 ms with a ~50 ms target step")
 
 
 def _tree_config(args):
     from specsplit.config import OrchestratorConfig
 
     return OrchestratorConfig(trigger=args.trigger, fixed_tree_nodes=args.fixed_tree_nodes,
-                              tree_max_nodes=args.tree_max_nodes, provisional_max=args.provisional_max)
+                              tree_max_nodes=args.tree_max_nodes, provisional_max=args.provisional_max,
+                              burst_max=args.burst_max)
 
 
 def _model_flags(parser: argparse.ArgumentParser) -> None:
@@ -219,7 +228,7 @@ def generate(args) -> int:
     token_ids: list[int] = []
     prompt_ids: list[int] = []
     text_parts: list[str] = []
-    rounds = accepted = drafted = feature_bytes = wasted = kept = 0
+    rounds = accepted = drafted = feature_bytes = wasted = kept = decoded = 0
     finish = ""
     try:
         addresses = _addresses(address)
@@ -240,6 +249,7 @@ def generate(args) -> int:
                     feature_bytes += chunk.stats.feature_bytes
                     wasted += chunk.stats.wasted
                     kept += chunk.stats.provisional_kept
+                    decoded += chunk.stats.num_decoded
                 finish = chunk.finish_reason or finish
                 if not args.json and chunk.text:
                     print(chunk.text, end="", flush=True)
@@ -266,6 +276,7 @@ def generate(args) -> int:
         "verifications": rounds,  # one verification per round
         "wasted_draft_tokens": wasted,
         "provisional_kept": kept,
+        "decoded_tokens": decoded,  # tokens the verifier decoded alone in decode bursts (target-only rounds)
     }
     if args.json:
         print(json.dumps(result))

@@ -21,6 +21,9 @@ class VerifierConfig:
     max_queued_prefill_tokens: int = 16384  # prompt tokens waiting to be cached; past this Prefill is refused at once
     forward_overhead_tokens: int = 32  # a forward's fixed cost in tokens (CPU: ~50 ms weight reads / ~1.7 ms a token)
     kv_grow_tokens: int = 256  # slot capacity grows in steps of this many positions
+    # A Verify may ask the target to decode alone this many more tokens (a burst, one tick each); its
+    # answer waits for all of them, so the cap bounds how long one request holds its stream back.
+    max_decode_steps: int = 64
 
     def validate(self) -> None:
         if self.max_batch < 1 or self.max_sessions < 1:
@@ -73,6 +76,11 @@ class OrchestratorConfig:
     fixed_tree_nodes: int = 4  # trigger "fixed": verify at this many nodes
     tree_max_nodes: int = 48  # node budget of a streamed tree (any trigger)
     provisional_max: int = 16  # tokens drafted from the best branch while its tree is verified; 0: off
+    # Rounds with no draft tree (--draft none, a draft that does not pay, a failed draft) ask the verifier to
+    # decode a burst of tokens alone in one request, sized so the measured round trip outside the verifier
+    # is at most burst_overhead of the round (RTT 50 ms, ~50 ms a token: ~10 tokens). 1 = a token a request.
+    burst_max: int = 16  # at most this many tokens a burst (each waits for the burst's end before it streams)
+    burst_overhead: float = 0.1
 
     def default_new_tokens(self) -> int:
         return min(self.default_max_new_tokens, self.max_new_tokens_limit)

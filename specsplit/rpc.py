@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -86,6 +87,7 @@ class VerifyTiming:
     verify_ms: float  # arrival to answer in the verifier, queueing included
     queue_ms: float = 0.0  # of which waiting for the batch it rode in
     cost_ms: float = 0.0  # its share of the batched forward (0: the verifier did not say)
+    call_ms: float = 0.0  # the caller's wall time of the Verify: verify_ms + network + serialization (0: not timed)
 
 
 def verdict_to_pb(verdict: Verdict, committed_length: int, timing: VerifyTiming, features: Features | None = None,
@@ -94,6 +96,7 @@ def verdict_to_pb(verdict: Verdict, committed_length: int, timing: VerifyTiming,
         accepted_token_ids=verdict.accepted_token_ids,
         accepted_node_indices=verdict.accepted_nodes,
         next_token_id=verdict.next_token_id,
+        decoded_token_ids=verdict.decoded_token_ids,
         committed_length=committed_length,
         verify_ms=timing.verify_ms,
         queue_ms=timing.queue_ms,
@@ -134,7 +137,8 @@ def _extras_from_pb(msg) -> tuple[Features | None, TokenTree | None]:
 
 
 def verdict_from_pb(msg: verifier_pb2.VerifyResponse) -> Verdict:
-    return Verdict(tuple(msg.accepted_node_indices), tuple(msg.accepted_token_ids), msg.next_token_id)
+    return Verdict(tuple(msg.accepted_node_indices), tuple(msg.accepted_token_ids), msg.next_token_id,
+                   tuple(msg.decoded_token_ids))
 
 
 def chunk_to_pb(chunk: Chunk) -> orchestrator_pb2.GenerateChunk:
@@ -146,7 +150,8 @@ def chunk_to_pb(chunk: Chunk) -> orchestrator_pb2.GenerateChunk:
         msg.stats.CopyFrom(common_pb2.RoundStats(
             round=st.round, num_draft_tokens=st.num_draft_tokens, num_accepted=st.num_accepted,
             num_committed=st.num_committed, draft_ms=st.draft_ms, verify_ms=st.verify_ms, drafter=st.drafter,
-            tree_depth=st.tree_depth, feature_bytes=st.feature_bytes, wasted=st.wasted, provisional_kept=st.provisional_kept))
+            tree_depth=st.tree_depth, feature_bytes=st.feature_bytes, wasted=st.wasted, provisional_kept=st.provisional_kept,
+            num_decoded=st.num_decoded))
     return msg
 
 
@@ -174,7 +179,8 @@ def chunk_from_pb(msg: orchestrator_pb2.GenerateChunk) -> Chunk:
     if msg.HasField("stats"):
         st = msg.stats
         stats = RoundStats(st.round, st.num_draft_tokens, st.num_accepted, st.num_committed, st.draft_ms,
-                           st.verify_ms, st.drafter, st.tree_depth, st.feature_bytes, st.wasted, st.provisional_kept)
+                           st.verify_ms, st.drafter, st.tree_depth, st.feature_bytes, st.wasted, st.provisional_kept,
+                           st.num_decoded)
     return Chunk(msg.text, list(msg.token_ids), stats, msg.session_id, list(msg.prompt_token_ids) or None,
                  msg.finish_reason)
 
@@ -237,19 +243,22 @@ class RemoteVerifier:
         return VerifierReply(r.committed_length, *_extras_from_pb(r))
 
     def verify(self, session_id: str, tree: TokenTree, expected_committed_length: int, max_commit: int,
-               timeout: float) -> tuple[Verdict, VerifyTiming]:
-        reply = self.verify_reply(session_id, tree, expected_committed_length, max_commit, timeout)
+               timeout: float, decode_steps: int = 0) -> tuple[Verdict, VerifyTiming]:
+        reply = self.verify_reply(session_id, tree, expected_committed_length, max_commit, timeout, decode_steps)
         return reply.verdict, reply.timing
 
     def verify_reply(self, session_id: str, tree: TokenTree, expected_committed_length: int, max_commit: int,
-                     timeout: float) -> VerifierReply:
+                     timeout: float, decode_steps: int = 0) -> VerifierReply:
+        """decode_steps: after the verdict the target decodes alone up to this many more tokens (a burst)."""
+        start = time.perf_counter()
         r = self.stub.Verify(
             verifier_pb2.VerifyRequest(session_id=session_id, tree=tree_to_pb(tree),
-                                       expected_committed_length=expected_committed_length, max_commit=max_commit),
+                                       expected_committed_length=expected_committed_length, max_commit=max_commit,
+                                       decode_steps=decode_steps),
             timeout=timeout,
         )
         return VerifierReply(r.committed_length, *_extras_from_pb(r), verdict_from_pb(r),
-                             VerifyTiming(r.verify_ms, r.queue_ms, r.cost_ms))
+                             VerifyTiming(r.verify_ms, r.queue_ms, r.cost_ms, (time.perf_counter() - start) * 1e3))
 
     def release(self, session_id: str, timeout: float) -> bool:
         return self.stub.Release(verifier_pb2.ReleaseRequest(session_id=session_id), timeout=timeout).released

@@ -18,6 +18,7 @@ class RoundStats:
     feature_bytes: int = 0  # target features (float16) the verifier sent this round for the draft
     wasted: int = 0  # drafted tokens that were not committed: tree nodes off the accepted path + dropped provisional
     provisional_kept: int = 0  # tree nodes that were last round's provisional tokens (drafted under a verification)
+    num_decoded: int = 0  # of the round's tokens, those the target decoded alone after the verdict (a decode burst)
 
 
 @dataclass(frozen=True)

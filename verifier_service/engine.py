@@ -3,7 +3,8 @@
 A session's slot holds every committed token except the last one (the *pending* token). Verify runs
 the pending token (the tree's root) plus all tree nodes, accepts, then compacts the slot to prefix +
 root + accepted path; the recovered/bonus token becomes the new pending token. An empty tree is
-therefore exactly one step of plain decoding.
+therefore exactly one step of plain decoding, and a Verify may go on with such steps on the following
+ticks (a *decode burst*: the target decoding alone, batched with everyone else's work) before it answers.
 
 Verify and Prefill calls from many sessions are batched: the scheduler (``verifier_service.scheduler``)
 gathers them into ticks on the one model thread; each tick's rows run as one packed forward
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import torch
 from opentelemetry import trace
@@ -72,6 +74,7 @@ class TargetEngine:
         self._sessions_lock = threading.Lock()
         self._queued_prefill_tokens = 0
         cfg = self.config
+        self._eos = frozenset(self.eos_token_ids)  # a decode burst stops after one of these
         self._scheduler = Scheduler(self._tick, cfg.max_batch, cfg.max_batch_tokens, cfg.batch_wait_ms / 1e3,
                                     live_sessions=self._active_sessions)
 
@@ -162,8 +165,14 @@ class TargetEngine:
         except KeyError:
             raise NotFound(f"unknown session {session_id!r}: it was never prefilled here, or was released") from None
 
-    def verify(self, session_id: str, tree: TokenTree, expected_committed_length: int, max_commit: int = 0) -> VerifyResult:
+    def verify(self, session_id: str, tree: TokenTree, expected_committed_length: int, max_commit: int = 0,
+               decode_steps: int = 0) -> VerifyResult:
+        """Verify the tree; then (decode_steps) decode alone up to that many more tokens, one tick each,
+        stopping early at an EOS token, at max_commit or at the context's end (a decode burst)."""
         tree.validate(self.vocab_size, self.config.max_tree_nodes)
+        if not 0 <= decode_steps <= self.config.max_decode_steps:
+            raise InvalidArgument(f"decode_steps={decode_steps}: this verifier decodes at most "
+                                  f"{self.config.max_decode_steps} tokens alone per Verify (max_decode_steps)")
         session = self.session(session_id)
         with session.lock:
             if session.released:
@@ -180,9 +189,11 @@ class TargetEngine:
                 )
             with tracer.start_as_current_span("specsplit.verifier.verify") as span:
                 span.set_attribute("specsplit.num_draft_tokens", len(tree))
-                work = VerifyWork(session, len(tree) + 1, session=session, tree=tree, max_commit=max_commit)
+                work = VerifyWork(session, len(tree) + 1, session=session, tree=tree, max_commit=max_commit,
+                                  decode_steps=decode_steps)
                 result: VerifyResult = self._scheduler.submit(work).result()
                 span.set_attribute("specsplit.num_accepted", len(result.verdict.accepted_nodes))
+                span.set_attribute("specsplit.num_decoded", len(result.verdict.decoded_token_ids))
                 span.set_attribute("specsplit.queue_ms", result.queue_ms)
                 if result.features is not None:
                     span.set_attribute("specsplit.feature_bytes", result.features.nbytes)
@@ -273,8 +284,10 @@ class TargetEngine:
             else:
                 rows.append(verify_row(session.slot, session.cached_length, session.token_ids[-1], work.tree))
                 owners.append(work)
-                self.stats.think_ms += (work.enqueued - session.answered_at) * 1e3
-                self.stats.thinks += 1
+                if work.verdict is None:  # a request's first tick (not a burst's next step)
+                    work.queue_ms = (tick_start - work.enqueued) * 1e3
+                    self.stats.think_ms += (work.enqueued - session.answered_at) * 1e3
+                    self.stats.thinks += 1
         self.stats.ticks += 1
         continuing: list[Work] = []
         if not rows:
@@ -300,16 +313,41 @@ class TargetEngine:
                 self._advance_prefill(work, len(rows[b]), continuing)
                 continue
             try:
-                start_position = work.session.cached_length
-                verdict = self._accept(work, logits[b])  # [Q_b, V]
-                features, proposal = self._extras(work.session, start_position, row_hidden, verdict.rows_to_keep)
-            except BaseException as err:
+                self._step(work, logits[b], row_hidden)  # [Q_b, V], [Q_b, H] or None
+                work.cost_ms += shares[b]
+                if self._burst_goes_on(work):
+                    work.tree, work.tokens = TokenTree.empty(), 1
+                    continuing.append(work)
+                    continue
+                verdict = replace(work.verdict, decoded_token_ids=tuple(work.decoded))
+                kept = torch.cat(work.kept_hidden) if work.kept_hidden else None  # [K, H] every newly cached row
+                features, proposal = self._extras(work.session, work.start_position, kept)
+            except BaseException as err:  # a burst's earlier steps stay committed; the caller re-syncs
                 self._fail(work, err)
                 continue
             work.session.answered_at = time.perf_counter()
             work.future.set_result(VerifyResult(verdict, work.session.committed_length, _ms_since(work.enqueued),
-                                                (tick_start - work.enqueued) * 1e3, shares[b], features, proposal))
+                                                work.queue_ms, work.cost_ms, features, proposal))
         return continuing
+
+    def _step(self, work: VerifyWork, logits: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        """Accept one tick's rows (the tree, or a burst's single pending token) and note what they commit."""
+        start_position = work.session.cached_length
+        verdict = self._accept(work, logits)
+        if work.verdict is None:
+            work.verdict, work.start_position = verdict, start_position
+        else:
+            work.decoded.append(verdict.next_token_id)
+        if hidden is not None:
+            work.kept_hidden.append(hidden[list(verdict.rows_to_keep)])  # [K, H]
+
+    def _burst_goes_on(self, work: VerifyWork) -> bool:
+        """Whether a Verify's decode burst takes another step: steps left, no EOS yet, room to commit."""
+        committed = len(work.verdict.committed_token_ids) + len(work.decoded)
+        last = work.decoded[-1] if work.decoded else work.verdict.next_token_id
+        return (len(work.decoded) < work.decode_steps and last not in self._eos
+                and (work.max_commit <= 0 or committed < work.max_commit)
+                and work.session.committed_length + 1 < self.max_context)
 
     def _move_kv(self, work: ExportWork | ImportWork) -> None:
         """Copy a session's cached K/V out of its slot (export), or into a fresh slot (import)."""
@@ -331,13 +369,12 @@ class TargetEngine:
             return
         work.future.set_result(result)
 
-    def _extras(self, session: TargetSession, start_position: int, hidden: torch.Tensor | None,
-                rows: tuple[int, ...]) -> tuple[Features | None, TokenTree | None]:
-        """The features of the newly cached rows (hidden: [Q_b, H], rows: which of them were kept) and
-        Medusa's proposal from the last of them."""
-        if hidden is None or not rows:
+    def _extras(self, session: TargetSession, start_position: int,
+                kept: torch.Tensor | None) -> tuple[Features | None, TokenTree | None]:
+        """The features of the newly cached rows (kept: [K, H], positions start_position ..
+        start_position + K - 1) and Medusa's proposal from the last of them."""
+        if kept is None or not len(kept):
             return None, (TokenTree.empty() if session.medusa else None)
-        kept = hidden[list(rows)]  # [K, H] positions start_position .. start_position + K - 1
         features = Features.of(start_position, kept) if session.return_features else None
         proposal = self.medusa.propose(kept[-1]) if session.medusa else None
         return features, proposal
@@ -404,7 +441,7 @@ class TargetEngine:
             features = proposal = None
             if work.hidden:
                 hidden = torch.cat(work.hidden)  # [P-1, H] every cached prompt position
-                features, proposal = self._extras(session, 0, hidden, tuple(range(len(hidden))))
+                features, proposal = self._extras(session, 0, hidden)
             elif session.medusa:
                 proposal = TokenTree.empty()
             session.answered_at = time.perf_counter()

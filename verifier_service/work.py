@@ -92,6 +92,14 @@ class VerifyWork(Work):
     session: TargetSession | None = None
     tree: TokenTree = field(default_factory=TokenTree.empty)
     max_commit: int = 0
+    decode_steps: int = 0  # after the verdict, decode alone up to this many more tokens (one tick each)
+    # A burst in progress (the work continues with an empty tree for each decoded token):
+    verdict: Verdict | None = None  # the tree's verdict (first tick)
+    decoded: list[int] = field(default_factory=list)  # [D] tokens decoded alone since
+    start_position: int = 0  # the first newly cached position (first tick)
+    kept_hidden: list = field(default_factory=list)  # per tick [K, H] hidden states of the rows it kept
+    queue_ms: float = 0.0  # waiting for the first tick
+    cost_ms: float = 0.0  # summed shares of the forwards it rode in
 
 
 @dataclass(eq=False)

@@ -35,7 +35,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class RoundStats(_message.Message):
-    __slots__ = ("round", "num_draft_tokens", "num_accepted", "num_committed", "draft_ms", "verify_ms", "drafter", "tree_depth", "feature_bytes", "wasted", "provisional_kept")
+    __slots__ = ("round", "num_draft_tokens", "num_accepted", "num_committed", "draft_ms", "verify_ms", "drafter", "tree_depth", "feature_bytes", "wasted", "provisional_kept", "num_decoded")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class RoundStats(_message.Message):
     FEATURE_BYTES_FIELD_NUMBER: _ClassVar[int]
     WASTED_FIELD_NUMBER: _ClassVar[int]
     PROVISIONAL_KEPT_FIELD_NUMBER: _ClassVar[int]
+    NUM_DECODED_FIELD_NUMBER: _ClassVar[int]
     round: int
     num_draft_tokens: int
     num_accepted: int
@@ -58,7 +59,8 @@ class RoundStats(_message.Message):
     feature_bytes: int
     wasted: int
     provisional_kept: int
-    def __init__(self, round: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted: _Optional[int] = ..., num_committed: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., drafter: _Optional[str] = ..., tree_depth: _Optional[int] = ..., feature_bytes: _Optional[int] = ..., wasted: _Optional[int] = ..., provisional_kept: _Optional[int] = ...) -> None: ...
+    num_decoded: int
+    def __init__(self, round: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted: _Optional[int] = ..., num_committed: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., drafter: _Optional[str] = ..., tree_depth: _Optional[int] = ..., feature_bytes: _Optional[int] = ..., wasted: _Optional[int] = ..., provisional_kept: _Optional[int] = ..., num_decoded: _Optional[int] = ...) -> None: ...
 
 class Features(_message.Message):
     __slots__ = ("data", "num_positions", "hidden_size", "first_position")

@@ -141,3 +141,24 @@ def test_health_and_reflection(target):
             services = {s.name for r in responses for s in r.list_services_response.service}
             assert name in services and "grpc.health.v1.Health" in services
             channel.close()
+
+
+def test_target_only_rounds_decode_in_bursts(target):
+    """--draft none: each Verify has the verifier decode a burst of tokens alone (sized from the measured
+    round trip; over localhost gRPC next to a tiny model, several); greedy output stays HF greedy's, a
+    seeded sampled one is the same as one token a request, and --burst-max 1 is one token a round."""
+    one = OrchestratorConfig(burst_max=1)
+    with start_stack(target, []) as stack, start_stack(target, [], orchestrator_config=one) as single:
+        chunks = list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=40, draft="none"))
+        assert tokens_of(chunks) == hf_greedy(target.model, PROMPT, 40)
+        rounds = [c.stats for c in chunks if c.stats]
+        assert len(rounds) < 20 and all(r.num_draft_tokens == 0 for r in rounds)
+        single_rounds = [c.stats for c in Client(single.address).generate(prompt_token_ids=PROMPT, max_new_tokens=12)
+                         if c.stats]
+        assert [r.num_committed for r in single_rounds] == [1] * 12
+
+        def sampled(address):
+            return tokens_of(Client(address).generate(prompt_token_ids=PROMPT, max_new_tokens=30, temperature=1.5,
+                                                      seed=5, draft="none"))
+
+        assert sampled(stack.address) == sampled(single.address)

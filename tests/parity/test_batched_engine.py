@@ -3,8 +3,9 @@
 Each session drives the engine from its own thread with trees built around the target's true greedy
 continuation (a right branch with a planted error at a random depth, a wrong branch, in random order),
 so acceptance stops at different depths and accepted branches are often not the first (a gather
-compaction). Every session must end with exactly HF greedy's tokens, batched (sessions forced into
-the same ticks) and one request at a time alike.
+compaction), and some rounds end in a decode burst (the target decoding alone for a few ticks, riding
+along with the others' verifications). Every session must end with exactly HF greedy's tokens, batched
+(sessions forced into the same ticks) and one request at a time alike.
 """
 
 import random
@@ -15,7 +16,8 @@ import pytest
 import torch
 
 from specsplit.config import VerifierConfig
-from specsplit.errors import ResourceExhausted
+from specsplit.errors import InvalidArgument, ResourceExhausted
+from specsplit.sampling import SamplingParams
 from specsplit.tree import TokenTree
 from tiny import VOCAB, hf_greedy, tiny_loaded
 from verifier_service.engine import TargetEngine
@@ -60,7 +62,9 @@ def drive(engine, index, prompt, reference, start, out):
     committed: list[int] = []
     while len(committed) < NEW_TOKENS:
         tree = draft_tree(rng, reference[len(committed):])
-        result = engine.verify(sid, tree, len(prompt) + len(committed), NEW_TOKENS - len(committed))
+        burst = rng.choice([0, 0, 0, 1, 5])  # tokens the target decodes alone after the verdict
+        result = engine.verify(sid, tree, len(prompt) + len(committed), NEW_TOKENS - len(committed), burst)
+        assert len(result.verdict.decoded_token_ids) <= burst
         committed.extend(result.verdict.committed_token_ids)
     engine.release(sid)
     out[index] = committed
@@ -179,3 +183,52 @@ def test_a_failed_forward_changes_no_session(target):
         assert [first, second] == hf_greedy(target.model, prompt, 2)
     finally:
         engine.close()
+
+
+def test_a_decode_burst_is_the_target_decoding_alone(target, prompts, references):
+    engine = TargetEngine(target, VerifierConfig(max_decode_steps=8))
+    prompt, reference = prompts[4], references[4]
+    try:
+        engine.prefill("s", prompt)
+        first = engine.verify("s", TokenTree.chain([reference[0], 5]), len(prompt), 0, 6)
+        assert first.verdict.accepted_token_ids == (reference[0],)
+        assert first.verdict.decoded_token_ids == tuple(reference[2:8])
+        assert list(first.verdict.committed_token_ids) == reference[:8]
+        assert first.committed_length == len(prompt) + 8
+        second = engine.verify("s", TokenTree.empty(), len(prompt) + 8, 3, 8)  # max_commit ends it early
+        assert list(second.verdict.committed_token_ids) == reference[8:11]
+        with pytest.raises(InvalidArgument, match="max_decode_steps"):
+            engine.verify("s", TokenTree.empty(), len(prompt) + 11, 0, 9)
+    finally:
+        engine.close()
+
+
+def test_a_decode_burst_stops_after_an_eos_token():
+    loaded = tiny_loaded(seed=11, eos=False)
+    prompt = [258, 40, 41, 42]
+    greedy = hf_greedy(loaded.model, prompt, 12)
+    stop = next(i for i in range(2, 12) if greedy[i] not in greedy[:i])  # its first appearance
+    loaded.model.generation_config.eos_token_id = greedy[stop]
+    engine = TargetEngine(loaded)
+    try:
+        engine.prefill("s", prompt)
+        result = engine.verify("s", TokenTree.empty(), len(prompt), 0, 20)
+        assert list(result.verdict.committed_token_ids) == greedy[:stop + 1]
+    finally:
+        engine.close()
+
+
+def test_a_seeded_sampled_burst_draws_what_single_steps_draw(target):
+    prompt = [258, 9, 8, 7]
+    sampling = SamplingParams(temperature=1.5, seed=3)
+    engines = [TargetEngine(target), TargetEngine(target)]
+    try:
+        for engine in engines:
+            engine.prefill("s", prompt, sampling)
+        burst = engines[0].verify("s", TokenTree.empty(), len(prompt), 0, 9).verdict.committed_token_ids
+        steps = [engines[1].verify("s", TokenTree.empty(), len(prompt) + i).verdict.next_token_id for i in range(10)]
+        assert list(burst) == steps
+        assert len(set(steps)) > 3  # really sampled, not a constant
+    finally:
+        for engine in engines:
+            engine.close()

@@ -46,6 +46,21 @@ def test_prefill_and_verify_return_the_newly_cached_positions(target):
         engine.close()
 
 
+def test_a_decode_burst_returns_the_features_of_every_position_it_cached(target):
+    engine = TargetEngine(target)
+    try:
+        engine.prefill("s", PROMPT, return_features=True)
+        greedy = hf_greedy(target.model, PROMPT, 6)
+        result = engine.verify("s", TokenTree.chain([greedy[0], 5]), len(PROMPT), 0, 3)  # 1 accepted + 1 + 3
+        assert list(result.verdict.committed_token_ids) == greedy[:5]
+        f = result.features
+        assert (f.first_position, f.end_position) == (len(PROMPT) - 1, len(PROMPT) + 4)  # all but the pending token
+        expected = hf_features(target.model, PROMPT + greedy[:5])  # [T, H]
+        torch.testing.assert_close(f.values.float(), expected[len(PROMPT) - 1:len(PROMPT) + 4], atol=2e-3, rtol=2e-3)
+    finally:
+        engine.close()
+
+
 def test_features_only_for_sessions_that_asked(target):
     engine = TargetEngine(target)
     try:
