@@ -1,13 +1,14 @@
 """The orchestrator's side of the draft services: choosing one, starting, proposing, failing over, ending.
 
 A mixin of ``orchestrator.generation.Orchestrator`` (it uses ``self.drafts``, ``self._draft_info``,
-``self.config`` and ``self.verifier_info``). A failed draft never fails a generation: the session runs
-target-only for ``draft_retry_rounds`` rounds, then tries the draft again (or its twin, the next
-configured draft of the same kind).
+``self._learned``, ``self.config`` and ``self.verifier_info``). A failed draft never fails a generation:
+the session runs target-only for ``draft_retry_rounds`` rounds, then tries the draft again (or its
+twin, the next configured draft of the same kind).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import queue
 import time
@@ -154,7 +155,13 @@ class DraftMixin:
         verify(tree) -> (verdict, timing) is the verifier call (it may fail over; it raises on failure).
         """
         if session.trigger is None:
-            session.trigger = make_trigger(self.config.trigger, self.config.fixed_tree_nodes)
+            # A new session starts from what the orchestrator's latest session with this draft measured (its
+            # alpha, rates, draft-or-not choice), not from scratch: the first rounds are then already sized.
+            key = ("trigger", self.config.trigger, self._drafter_name(session))
+            learned = self._learned.get(key)
+            session.trigger = (copy.deepcopy(learned) if learned is not None else
+                               make_trigger(self.config.trigger, self.config.fixed_tree_nodes))
+            self._learned[key] = session.trigger
         trigger = session.trigger
         if session.state.draft_down_until:  # the draft failed earlier and its pause is over: start it again
             session.draft = self._draft_replica_after(session.draft)

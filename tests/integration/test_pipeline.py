@@ -1,6 +1,7 @@
 """The pipeline's behaviour through real gRPC: fallback, cancellation, stop strings, chat, SDKs, tracing."""
 
 import asyncio
+import copy
 import threading
 import time
 
@@ -8,11 +9,14 @@ import grpc
 import pytest
 
 from draft_service.ngram import NgramProposer
+from draft_service.proposers import ModelProposer
+from orchestrator import drafts
+from orchestrator.trigger import make_trigger
 from specsplit.client import AsyncClient, Client
 from specsplit.config import DraftConfig, OrchestratorConfig
 from specsplit.launch import start_stack
 from specsplit.rpc import RemoteVerifier
-from tiny import hf_greedy
+from tiny import hf_greedy, tiny_loaded
 
 PROMPT = [258, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4]
 
@@ -162,3 +166,31 @@ def test_target_only_rounds_decode_in_bursts(target):
                                                       seed=5, draft="none"))
 
         assert sampled(stack.address) == sampled(single.address)
+
+
+def test_a_new_session_starts_from_the_latest_sessions_estimates(target, monkeypatch):
+    """The first session's first round commits one token (nothing measured yet); the next session's first
+    round is already a burst (the round trip measured by the first). A streamed-tree session's trigger
+    is a copy of the previous one's: it starts where that one's estimates were, and moves on its own."""
+    with start_stack(target, []) as stack:
+        client = Client(stack.address)
+
+        def first_round(**kw):
+            chunks = client.generate(prompt_token_ids=PROMPT, max_new_tokens=20, draft="none", **kw)
+            return next(c.stats for c in chunks if c.stats).num_committed
+
+        assert first_round() == 1
+        assert first_round() > 1
+        assert first_round(temperature=1.0, seed=3) > 1  # no draft: bursts cannot change a seeded session's draws
+
+    made = []
+    monkeypatch.setattr(drafts, "make_trigger", lambda *a: made.append(make_trigger(*a)) or made[-1])
+    with start_stack(target, [ModelProposer(tiny_loaded(seed=99, layers=1))]) as stack:
+        client, learned = Client(stack.address), stack.orchestrator.core._learned
+        list(client.generate(prompt_token_ids=PROMPT, max_new_tokens=20, draft="model"))
+        first = learned[("trigger", "goodput", "model")]
+        snapshot = copy.deepcopy(first)
+        list(client.generate(prompt_token_ids=PROMPT, max_new_tokens=20, draft="model"))
+        second = learned[("trigger", "goodput", "model")]
+        assert made == [first]  # one trigger made from scratch; the second session's is a copy
+        assert second is not first and first == snapshot  # the copy moved on, the first one stayed as it was
