@@ -308,8 +308,9 @@ def report(data: dict, out: pathlib.Path) -> str:
         for r in at:
             single = next((x for x in at if x["config"] == r["config"] + "@b1"), None)
             if single:
-                lines.append(f"- decode bursts, {r['config']}: {r['tokens_per_s'] / single['tokens_per_s']:.2f}x tokens/s "
-                             f"of one token a request ({r['config']}@b1)")
+                lines.append(f"- decode bursts, {r['config']} ({r.get('decoded', 0)} tokens decoded in bursts): "
+                             f"{r['tokens_per_s'] / single['tokens_per_s']:.2f}x tokens/s of one token a request "
+                             f"({r['config']}@b1)")
         lines.append("")
     zero = {r["config"]: r for r in rows if r["rtt_ms"] == 0}
     if zero:

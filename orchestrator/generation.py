@@ -157,7 +157,8 @@ class Orchestrator(DraftMixin):
     def _start_bursts(self, session: LiveSession) -> None:
         """The session's decode-burst sizer, from the latest session's round-trip estimates."""
         drafted = session.draft is not None or session.medusa
-        session.burst = burst_sizer(session.state, self.config, drafted, self._learned.get("burst"))
+        learned = self._learned.get("burst") if self.config.share_estimates else None
+        session.burst = burst_sizer(session.state, self.config, drafted, learned)
         self._learned["burst"] = session.burst
 
     def _resume(self, request: GenerationRequest) -> LiveSession:

@@ -49,7 +49,7 @@ class RoundOutcome:
     round_ms: float  # wall time of the round at the orchestrator: drafting until the trigger + verify incl. network
     draft_steps: int  # draft forwards until the trigger
     draft_ms: float  # draft forward time until the trigger, as the draft measured it
-    plain: bool = False  # nothing was drafted: the target decoded alone (committed = 1)
+    plain: bool = False  # nothing was drafted: the target decoded alone (a decode burst: committed >= 1)
 
 
 @dataclass

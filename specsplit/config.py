@@ -71,7 +71,8 @@ class OrchestratorConfig:
     # provisional across four runs at RTT 0 / 50 (geomean over RTT 0-100 in the first: 8.83 vs 9.33
     # tokens/s); with the shipped draft_lm, usually wrong, at 1.4-1.9x of it (RTT 0 / 50, two runs); with
     # the streamed eagle drafter at 1.00-1.02x of the best fixed size (fixed-1) at RTT 0-100 (three runs),
-    # 1.01-1.24x once it could also choose target-only rounds (bench/results/network_eagle.md, run E).
+    # 1.01-1.24x once it could also choose target-only rounds (bench/results/network_eagle.md, run E), and
+    # 0.97x, 1.10x, 1.56x, 2.00x at RTT 0/20/50/100 once those decode bursts (network_burst_eagle.md, run G).
     trigger: str = "goodput"  # goodput | edgellm | fixed | budget
     fixed_tree_nodes: int = 4  # trigger "fixed": verify at this many nodes
     tree_max_nodes: int = 48  # node budget of a streamed tree (any trigger)
@@ -81,6 +82,11 @@ class OrchestratorConfig:
     # is at most burst_overhead of the round (RTT 50 ms, ~50 ms a token: ~10 tokens). 1 = a token a request.
     burst_max: int = 16  # at most this many tokens a burst (each waits for the burst's end before it streams)
     burst_overhead: float = 0.1
+    # A new session starts from the latest session's measured estimates (its trigger's alpha, rates and
+    # draft-or-not choice; the burst sizer's round trip) instead of from scratch, so a far verifier's first
+    # rounds are already sized (bench/results/network_burst_eagle.md: run G with, run F without). Off: every
+    # session measures afresh (e.g. to have each session try its draft first).
+    share_estimates: bool = True
 
     def default_new_tokens(self) -> int:
         return min(self.default_max_new_tokens, self.max_new_tokens_limit)

@@ -172,16 +172,16 @@ def test_a_new_session_starts_from_the_latest_sessions_estimates(target, monkeyp
     """The first session's first round commits one token (nothing measured yet); the next session's first
     round is already a burst (the round trip measured by the first). A streamed-tree session's trigger
     is a copy of the previous one's: it starts where that one's estimates were, and moves on its own."""
-    with start_stack(target, []) as stack:
-        client = Client(stack.address)
+    def first_round(stack, **kw):
+        chunks = Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=20, draft="none", **kw)
+        return next(c.stats for c in chunks if c.stats).num_committed
 
-        def first_round(**kw):
-            chunks = client.generate(prompt_token_ids=PROMPT, max_new_tokens=20, draft="none", **kw)
-            return next(c.stats for c in chunks if c.stats).num_committed
-
-        assert first_round() == 1
-        assert first_round() > 1
-        assert first_round(temperature=1.0, seed=3) > 1  # no draft: bursts cannot change a seeded session's draws
+    fresh = OrchestratorConfig(share_estimates=False)
+    with start_stack(target, []) as stack, start_stack(target, [], orchestrator_config=fresh) as alone:
+        assert first_round(stack) == 1
+        assert first_round(stack) > 1
+        assert first_round(stack, temperature=1.0, seed=3) > 1  # no draft: bursts cannot change a seeded session's draws
+        assert first_round(alone) == first_round(alone) == 1  # share_estimates off: every session measures afresh
 
     made = []
     monkeypatch.setattr(drafts, "make_trigger", lambda *a: made.append(make_trigger(*a)) or made[-1])

@@ -22,7 +22,9 @@ def target():
 
 def test_unrelated_random_draft(target):
     draft = tiny_loaded(seed=123, layers=1)
-    with start_stack(target, [ModelProposer(draft, DraftConfig(model_top_k=2, model_depth=4))]) as stack:
+    fresh = OrchestratorConfig(share_estimates=False)  # each session drafts before it may settle on plain rounds
+    with start_stack(target, [ModelProposer(draft, DraftConfig(model_top_k=2, model_depth=4))],
+                     orchestrator_config=fresh) as stack:
         for prompt in PROMPTS:
             tokens, stats, _ = run(stack, prompt, 40)
             assert tokens == hf_greedy(target.model, prompt, 40)

@@ -2,7 +2,8 @@
 
 Greedy output through the real gRPC services (DraftTree stream) equals HF greedy of the target alone,
 for every trigger, with and without provisional generation, with a draft equal to the target (everything
-accepted: provisional tokens are kept) and an unrelated one (mostly dropped).
+accepted: provisional tokens are kept) and an unrelated one (mostly dropped). Every session measures
+afresh (share_estimates off), so each one drafts before goodput may settle on target-only rounds.
 """
 
 import pytest
@@ -35,7 +36,8 @@ def target():
 @pytest.mark.parametrize("provisional", [0, 8])
 def test_draft_equals_target(target, trigger, provisional):
     same = tiny_loaded(seed=0, layers=2)
-    config = OrchestratorConfig(trigger=trigger, provisional_max=provisional, fixed_tree_nodes=6, tree_max_nodes=24)
+    config = OrchestratorConfig(trigger=trigger, provisional_max=provisional, fixed_tree_nodes=6, tree_max_nodes=24,
+                                share_estimates=False)
     with start_stack(target, [ModelProposer(same, DraftConfig())], orchestrator_config=config) as stack:
         kept = 0
         for prompt in PROMPTS:
@@ -56,7 +58,7 @@ def test_draft_equals_target(target, trigger, provisional):
 @pytest.mark.parametrize("trigger", ["goodput", "edgellm"])
 def test_unrelated_draft(target, trigger):
     draft = tiny_loaded(seed=123, layers=1)
-    config = OrchestratorConfig(trigger=trigger, provisional_max=8)
+    config = OrchestratorConfig(trigger=trigger, provisional_max=8, share_estimates=False)
     with start_stack(target, [ModelProposer(draft, DraftConfig())], orchestrator_config=config) as stack:
         for prompt in PROMPTS:
             tokens, stats = run(stack, prompt, 40)
