@@ -69,9 +69,9 @@ class Orchestrator(DraftMixin):
         self.drafts = list(drafts)
         self._draft_info: dict[int, DraftInfo] = {}
         self._live: dict[str, LiveSession] = {}  # sessions this process is generating now
-        # The latest session's measured estimates (its verification trigger per draft, its decode-burst
-        # sizer): a new session starts from them instead of from scratch. Estimates only: no token depends
-        # on them (greedy tokens are the target's; seeded sampled sessions keep timings out of their rounds).
+        # The latest session's verification trigger per draft (``share_estimates``): a new session starts
+        # from its estimates instead of from scratch. Estimates only: no token depends on them (streamed
+        # trees are greedy: the tokens are the target's whatever the trigger does).
         self._learned: dict[object, object] = {}
 
     def close(self) -> None:
@@ -141,7 +141,7 @@ class Orchestrator(DraftMixin):
         session = LiveSession(state, draft, controller_from_state(state, self._max_nodes(draft, request.draft)),
                               TextStream(self.tokenizer, list(request.stop)), owned=True)
         self._set_draft_mode(session, request.draft)
-        self._start_bursts(session)
+        session.burst = burst_sizer(state, self.config, draft is not None or session.medusa)
         session.save_controller()
         self.store.create(state)  # a taken session id is refused here
         try:
@@ -154,13 +154,6 @@ class Orchestrator(DraftMixin):
             raise
         return session
 
-    def _start_bursts(self, session: LiveSession) -> None:
-        """The session's decode-burst sizer, from the latest session's round-trip estimates."""
-        drafted = session.draft is not None or session.medusa
-        learned = self._learned.get("burst") if self.config.share_estimates else None
-        session.burst = burst_sizer(session.state, self.config, drafted, learned)
-        self._learned["burst"] = session.burst
-
     def _resume(self, request: GenerationRequest) -> LiveSession:
         session_id, client_has = request.resume_session_id, request.resume_from_token
         state = self.store.load(session_id)
@@ -172,7 +165,7 @@ class Orchestrator(DraftMixin):
         session = LiveSession(state, draft, controller_from_state(state, self._max_nodes(draft, state.draft)),
                               text_stream_at(self.tokenizer, state, min(client_has, state.generated)), owned=owned)
         self._set_draft_mode(session, state.draft)
-        self._start_bursts(session)
+        session.burst = burst_sizer(state, self.config, draft is not None or session.medusa)
         if not owned:
             return session  # finished or cancelled: only what the client is missing is sent
         session.skip = max(0, client_has - state.generated)  # the store lost rounds the client had seen

@@ -79,15 +79,11 @@ def controller_from_state(state: SessionState, max_nodes: int) -> BudgetControll
     return BudgetController(**saved)
 
 
-def burst_sizer(state: SessionState, config, drafted: bool, learned: BurstSizer | None = None) -> BurstSizer:
+def burst_sizer(state: SessionState, config, drafted: bool) -> BurstSizer:
     """The session's decode-burst sizer (``orchestrator.burst``): one token a round for a seeded sampled
-    session with a draft (timings must not decide its rounds), else sized by the measured round trip,
-    starting from the estimates of ``learned`` (an earlier session's sizer) when given."""
+    session with a draft (timings must not decide its rounds), else sized by the measured round trip."""
     fixed = drafted and not state.sampling.greedy and state.sampling.seed is not None
-    sizer = BurstSizer(config.burst_max, config.burst_overhead, fixed=fixed)
-    if learned is not None:
-        sizer.outside_ms, sizer.step_ms = learned.outside_ms, learned.step_ms
-    return sizer
+    return BurstSizer(config.burst_max, config.burst_overhead, fixed=fixed)
 
 
 def text_stream_at(tokenizer, state: SessionState, client_has: int) -> TextStream:

@@ -82,10 +82,9 @@ class OrchestratorConfig:
     # is at most burst_overhead of the round (RTT 50 ms, ~50 ms a token: ~10 tokens). 1 = a token a request.
     burst_max: int = 16  # at most this many tokens a burst (each waits for the burst's end before it streams)
     burst_overhead: float = 0.1
-    # A new session starts from the latest session's measured estimates (its trigger's alpha, rates and
-    # draft-or-not choice; the burst sizer's round trip) instead of from scratch, so a far verifier's first
-    # rounds are already sized (bench/results/network_burst_eagle.md: run G with, run F without). Off: every
-    # session measures afresh (e.g. to have each session try its draft first).
+    # A new session's trigger starts from the latest session's estimates (alpha, rates, draft-or-not) instead
+    # of from scratch, so a far verifier's first rounds are already sized (bench/results/
+    # network_burst_eagle.md: run G with, run F without). Off: every session measures afresh (and drafts first).
     share_estimates: bool = True
 
     def default_new_tokens(self) -> int:
