@@ -10,9 +10,12 @@ A burst's tokens reach the client only when the burst ends, so bursts are as sho
 allows: the smallest k for which the measured time outside the verifier (the caller's wall time of a
 Verify less the verifier's own verify_ms: network, serialization, gRPC queues) is at most ``overhead``
 of the round, i.e. outside / (outside + k · step) <= overhead, capped at ``max_tokens``. Next to the
-verifier (~2 ms outside, ~50 ms a step on CPU) that is one token a Verify, as without bursts. A session's
-bursts also start small and at most double from one to the next (1, 2, 4, ...: slow start), so its first
-token streams after one step, not after a whole burst.
+verifier (~2 ms outside, ~50 ms a step on CPU) that is one token a Verify, as without bursts. Each
+session measures afresh, and before it has measured anything it asks for one token: with no draft, its
+first token streams after one step, not after a whole burst. (Doubling bursts from there, like TCP's
+slow start, was measured and dropped: its short early bursts made target-only rounds look slow to the
+goodput trigger, which then kept drafting; 0.78x / 0.64x tokens/s at RTT 50 / 100 with the eagle draft,
+bench/results/network_burst_eagle_slowstart.md.)
 
 Bursts never change a greedy session's tokens (each step is the target's argmax), nor a seeded sampled
 session's draws (the verifier seeds every token's draw from the seed and the committed length). What
@@ -35,14 +38,13 @@ class BurstSizer:
     ema: float = 0.3  # weight of a new measurement
     outside_ms: float | None = None  # a Verify's time outside the verifier, decayed
     step_ms: float | None = None  # the verifier's time per committed token of a target-only round, decayed
-    last: int = 0  # tokens the session's last target-only round committed (slow start: the next at most twice)
 
     def tokens(self, remaining: int) -> int:
         """Tokens the next target-only round should commit (>= 1, <= remaining)."""
         if self.fixed or self.outside_ms is None or self.step_ms is None or self.step_ms <= 0:
             return 1
         k = math.ceil(self.outside_ms * (1 - self.overhead) / (self.overhead * self.step_ms))
-        return max(1, min(k, self.max_tokens, 2 * self.last, remaining))
+        return max(1, min(k, self.max_tokens, remaining))
 
     def observe(self, call_ms: float, verify_ms: float, committed: int, plain: bool) -> None:
         """One Verify: the caller's wall time of it, the verifier's, the tokens it committed, and whether it
@@ -51,7 +53,6 @@ class BurstSizer:
             self.outside_ms = self._mix(self.outside_ms, max(call_ms - verify_ms, 0.0))
         if plain and committed > 0:
             self.step_ms = self._mix(self.step_ms, verify_ms / committed)
-            self.last = committed
         elif self.step_ms is None and verify_ms > 0:
             self.step_ms = verify_ms  # a tree's forward: dearer than a step, so the first bursts are short
 

@@ -157,8 +157,7 @@ def test_target_only_rounds_decode_in_bursts(target):
         assert tokens_of(chunks) == hf_greedy(target.model, PROMPT, 40)
         rounds = [c.stats for c in chunks if c.stats]
         assert len(rounds) < 20 and all(r.num_draft_tokens == 0 for r in rounds)
-        sizes = [r.num_committed for r in rounds]
-        assert sizes[0] == 1 and all(b <= 2 * a for a, b in zip(sizes, sizes[1:]))  # slow start: first token at once
+        assert rounds[0].num_committed == 1  # nothing measured yet: the first token streams after one step
         single_rounds = [c.stats for c in Client(single.address).generate(prompt_token_ids=PROMPT, max_new_tokens=12)
                          if c.stats]
         assert [r.num_committed for r in single_rounds] == [1] * 12
