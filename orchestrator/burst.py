@@ -33,7 +33,7 @@ from dataclasses import dataclass
 @dataclass
 class BurstSizer:
     max_tokens: int = 16  # tokens a burst at most (each waits for the burst's end before it streams)
-    overhead: float = 0.1  # the round trip's share of a burst round at most
+    overhead: float = 0.05  # the round trip's share of a burst round at most
     fixed: bool = False  # always one token a round (a seeded sampled session with a draft)
     ema: float = 0.3  # weight of a new measurement
     outside_ms: float | None = None  # a Verify's time outside the verifier, decayed

@@ -150,7 +150,7 @@ def _tree_flags(parser: argparse.ArgumentParser) -> None:
     burst.add_argument("--burst-max", type=int, default=d.burst_max,
                        help=f"most tokens per burst (default {d.burst_max}; 1: a token per request). Bursts are "
                             f"sized so the measured round trip is at most {d.burst_overhead * 100:.0f}%% of a round: one "
-                            "token next to the verifier, ~10 at RTT 50 ms with a ~50 ms target step")
+                            "token next to the verifier, ~13 at RTT 50 ms with an ~80 ms target step")
 
 
 def _tree_config(args):

@@ -79,9 +79,10 @@ class OrchestratorConfig:
     provisional_max: int = 16  # tokens drafted from the best branch while its tree is verified; 0: off
     # Rounds with no draft tree (--draft none, a draft that does not pay, a failed draft) ask the verifier to
     # decode a burst of tokens alone in one request, sized so the measured round trip outside the verifier
-    # is at most burst_overhead of the round (RTT 50 ms, ~50 ms a token: ~10 tokens). 1 = a token a request.
+    # is at most burst_overhead of the round (RTT 50 ms, ~80 ms a token: 13 tokens; at 10% it was 6, and the
+    # default kept 83-100% of its RTT-0 tokens/s at RTT 50 in three runs, bench/results/network_burst.md).
     burst_max: int = 16  # at most this many tokens a burst (each waits for the burst's end before it streams)
-    burst_overhead: float = 0.1
+    burst_overhead: float = 0.05
     # A new session's trigger starts from the latest session's estimates (alpha, rates, draft-or-not) instead
     # of from scratch, so a far verifier's first rounds are already sized (bench/results/
     # network_burst_eagle.md: run G with, run F without). Off: every session measures afresh (and drafts first).
