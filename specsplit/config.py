@@ -72,7 +72,8 @@ class OrchestratorConfig:
     # tokens/s); with the shipped draft_lm, usually wrong, at 1.4-1.9x of it (RTT 0 / 50, two runs); with
     # the streamed eagle drafter at 1.00-1.02x of the best fixed size (fixed-1) at RTT 0-100 (three runs),
     # 1.01-1.24x once it could also choose target-only rounds (bench/results/network_eagle.md, run E), and
-    # 0.97x, 1.10x, 1.56x, 2.00x at RTT 0/20/50/100 once those decode bursts (network_burst_eagle.md, run G).
+    # 0.94-1.04x, 1.06-1.13x, 1.18-1.56x, 1.26-1.99x at RTT 0/20/50/100 once those decode bursts (five runs,
+    # bench/results/network_burst.md).
     trigger: str = "goodput"  # goodput | edgellm | fixed | budget
     fixed_tree_nodes: int = 4  # trigger "fixed": verify at this many nodes
     tree_max_nodes: int = 48  # node budget of a streamed tree (any trigger)
@@ -85,7 +86,8 @@ class OrchestratorConfig:
     burst_overhead: float = 0.05
     # A new session's trigger starts from the latest session's estimates (alpha, rates, draft-or-not) instead
     # of from scratch, so a far verifier's first rounds are already sized (bench/results/
-    # network_burst_eagle.md: run G with, run F without). Off: every session measures afresh (and drafts first).
+    # network_burst.md: run G with, also for burst sizes then; run F without). Off: every session measures
+    # afresh (and drafts first).
     share_estimates: bool = True
 
     def default_new_tokens(self) -> int:
