@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import replace
 
 import torch
 from opentelemetry import trace
@@ -313,14 +312,14 @@ class TargetEngine:
                 self._advance_prefill(work, len(rows[b]), continuing)
                 continue
             try:
-                self._step(work, logits[b], row_hidden)  # [Q_b, V], [Q_b, H] or None
+                start_position = work.session.cached_length
+                work.record(self._accept(work, logits[b]), start_position, row_hidden)  # [Q_b, V], [Q_b, H]
                 work.cost_ms += shares[b]
-                if self._burst_goes_on(work):
-                    work.tree, work.tokens = TokenTree.empty(), 1
+                if work.burst_goes_on(self._eos, work.session.committed_length + 1 < self.max_context):
+                    work.tree, work.tokens = TokenTree.empty(), 1  # the next step: the new pending token
                     continuing.append(work)
                     continue
-                verdict = replace(work.verdict, decoded_token_ids=tuple(work.decoded))
-                kept = torch.cat(work.kept_hidden) if work.kept_hidden else None  # [K, H] every newly cached row
+                verdict, kept = work.answer()
                 features, proposal = self._extras(work.session, work.start_position, kept)
             except BaseException as err:  # a burst's earlier steps stay committed; the caller re-syncs
                 self._fail(work, err)
@@ -329,25 +328,6 @@ class TargetEngine:
             work.future.set_result(VerifyResult(verdict, work.session.committed_length, _ms_since(work.enqueued),
                                                 work.queue_ms, work.cost_ms, features, proposal))
         return continuing
-
-    def _step(self, work: VerifyWork, logits: torch.Tensor, hidden: torch.Tensor | None) -> None:
-        """Accept one tick's rows (the tree, or a burst's single pending token) and note what they commit."""
-        start_position = work.session.cached_length
-        verdict = self._accept(work, logits)
-        if work.verdict is None:
-            work.verdict, work.start_position = verdict, start_position
-        else:
-            work.decoded.append(verdict.next_token_id)
-        if hidden is not None:
-            work.kept_hidden.append(hidden[list(verdict.rows_to_keep)])  # [K, H]
-
-    def _burst_goes_on(self, work: VerifyWork) -> bool:
-        """Whether a Verify's decode burst takes another step: steps left, no EOS yet, room to commit."""
-        committed = len(work.verdict.committed_token_ids) + len(work.decoded)
-        last = work.decoded[-1] if work.decoded else work.verdict.next_token_id
-        return (len(work.decoded) < work.decode_steps and last not in self._eos
-                and (work.max_commit <= 0 or committed < work.max_commit)
-                and work.session.committed_length + 1 < self.max_context)
 
     def _move_kv(self, work: ExportWork | ImportWork) -> None:
         """Copy a session's cached K/V out of its slot (export), or into a fresh slot (import)."""

@@ -7,7 +7,7 @@ the scheduler (``verifier_service.scheduler``) gathers into ticks; each is answe
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -100,6 +100,28 @@ class VerifyWork(Work):
     kept_hidden: list = field(default_factory=list)  # per tick [K, H] hidden states of the rows it kept
     queue_ms: float = 0.0  # waiting for the first tick
     cost_ms: float = 0.0  # summed shares of the forwards it rode in
+
+    def record(self, verdict: Verdict, start_position: int, hidden: torch.Tensor | None) -> None:
+        """One tick's verdict (the tree's, or a burst step's single token) and the hidden states of its
+        rows ([Q, H], None if not asked); start_position: the first position that tick cached."""
+        if self.verdict is None:
+            self.verdict, self.start_position = verdict, start_position
+        else:
+            self.decoded.append(verdict.next_token_id)
+        if hidden is not None:
+            self.kept_hidden.append(hidden[list(verdict.rows_to_keep)])  # [K, H]
+
+    def burst_goes_on(self, eos: frozenset[int], room: bool) -> bool:
+        """Another burst step: steps left, no EOS token yet, under max_commit, room in the context."""
+        committed = len(self.verdict.committed_token_ids) + len(self.decoded)
+        last = self.decoded[-1] if self.decoded else self.verdict.next_token_id
+        return (len(self.decoded) < self.decode_steps and last not in eos and room
+                and (self.max_commit <= 0 or committed < self.max_commit))
+
+    def answer(self) -> tuple[Verdict, torch.Tensor | None]:
+        """The whole request's verdict (decoded tokens included) and [K, H] every row it cached, if asked."""
+        kept = torch.cat(self.kept_hidden) if self.kept_hidden else None
+        return replace(self.verdict, decoded_token_ids=tuple(self.decoded)), kept
 
 
 @dataclass(eq=False)
