@@ -45,7 +45,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see specspl
 
 import argparse
 import json
-import math
 import pathlib
 import shutil
 import signal
@@ -55,27 +54,21 @@ import tempfile
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
+
+from network_report import TRIGGERS, parse_config, report  # noqa: E402
 
 EDGE_NS, CLOUD_NS = "ss-edge", "ss-cloud"
 EDGE_IP, CLOUD_IP = "10.77.0.1", "10.77.0.2"
 VERIFIER_PORT, DRAFT_PORT, NGRAM_PORT, RELAY_PORT0 = 50052, 50053, 50054, 50060
-TRIGGERS = ("edgellm", "goodput")
 
 
 # -- configurations ---------------------------------------------------------------------------------
 def all_configs(fixed_sizes: list[int]) -> list[str]:
     names = [f"fixed-{n}" for n in fixed_sizes] + list(TRIGGERS)
     return [f"{n}+{p}" for n in names for p in ("0", "prov")] + ["ngram"]
-
-
-def parse_config(name: str) -> tuple[str, str, int | None]:
-    """'goodput+prov@b1' -> ('goodput', 'prov', 1): trigger or row kind, provisional ('0', 'prov' or ''),
-    decode-burst cap (None: the orchestrator's default)."""
-    name, _, burst = name.partition("@b")
-    base, _, prov = name.partition("+")
-    return base, prov, int(burst) if burst else None
 
 
 def orchestrator_config(name: str, provisional_max: int, draft_timeout_s: float):
@@ -266,101 +259,6 @@ def summarize(rtt: int, name: str, runs: list[dict]) -> dict:
         "target_only_rounds": sum(r.get("target_only_rounds", 0) for r in runs),
         "decoded": sum(r.get("decoded", 0) for r in runs), "runs": runs,
     }
-
-
-# -- report ---------------------------------------------------------------------------------------------
-def best_fixed(rows: list[dict], suffix: str) -> dict | None:
-    fixed = [r for r in rows if r["config"].startswith("fixed-") and r["config"].endswith(suffix)]
-    return max(fixed, key=lambda r: r["tokens_per_s"], default=None)
-
-
-def report(data: dict, out: pathlib.Path) -> str:
-    rows = data["rows"]
-    rtts = sorted({r["rtt_ms"] for r in rows})
-    lines = ["# Edge-cloud network benchmark", "", data.get("conditions", ""), ""]
-    for rtt in rtts:
-        at = [r for r in rows if r["rtt_ms"] == rtt]
-        lines += [f"## RTT {rtt} ms ({at[0].get('network', data.get('network', ''))})", "",
-                  "| config | provisional | tokens/s | tau | verifications / 100 tok | wasted draft tokens | provisional kept "
-                  "| burst tokens | identical to HF |",
-                  "|---|---|--:|--:|--:|--:|--:|--:|---|"]
-        for r in at:
-            base, prov, burst = parse_config(r["config"])
-            label = base + (f" @b{burst}" if burst else "")
-            lines.append(f"| {label} | {'on' if prov == 'prov' else ('-' if not prov else 'off')} | {r['tokens_per_s']:.2f} | "
-                         f"{r['tau']:.2f} | {r['verifications_per_100']:.1f} | {r['wasted']} | {r['provisional_kept']} | "
-                         f"{r.get('decoded', 0)} | {'yes' if r['identical'] else 'NO'} |")
-        lines.append("")
-        for suffix in ("+0", "+prov"):
-            fixed = best_fixed(at, suffix)
-            if fixed is None:
-                continue
-            for trig in TRIGGERS:
-                adaptive = next((r for r in at if r["config"] == trig + suffix), None)
-                if adaptive:
-                    lines.append(f"- {trig}{suffix} vs best fixed ({fixed['config']}): "
-                                 f"{adaptive['tokens_per_s'] / fixed['tokens_per_s']:.2f}x")
-        for base in [f"fixed-{n}" for n in (4, 8, 16, 32)] + list(TRIGGERS):
-            off = next((r for r in at if r["config"] == base + "+0"), None)
-            on = next((r for r in at if r["config"] == base + "+prov"), None)
-            if off and on:
-                lines.append(f"- provisional generation, {base}: {on['tokens_per_s'] / off['tokens_per_s']:.2f}x tokens/s")
-        for r in at:
-            single = next((x for x in at if x["config"] == r["config"] + "@b1"), None)
-            if single:
-                lines.append(f"- decode bursts, {r['config']} ({r.get('decoded', 0)} tokens decoded in bursts): "
-                             f"{r['tokens_per_s'] / single['tokens_per_s']:.2f}x tokens/s of one token a request "
-                             f"({r['config']}@b1)")
-        lines.append("")
-    zero = {r["config"]: r for r in rows if r["rtt_ms"] == 0}
-    if zero:
-        lines += ["## Tokens/s kept relative to RTT 0", "", "| config | " + " | ".join(f"RTT {t}" for t in rtts) + " |",
-                  "|---|" + "--:|" * len(rtts)]
-        for name in zero:
-            cells = []
-            for rtt in rtts:
-                r = next((x for x in rows if x["rtt_ms"] == rtt and x["config"] == name), None)
-                cells.append(f"{r['tokens_per_s'] / zero[name]['tokens_per_s']:.0%}" if r else "-")
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
-        lines.append("")
-    names = sorted({r["config"] for r in rows if r["config"] != "ngram"})
-    complete = [n for n in names if all(any(r["config"] == n and r["rtt_ms"] == t for r in rows) for t in rtts)]
-    if complete:
-        def geomean(name):
-            vals = [next(r for r in rows if r["config"] == name and r["rtt_ms"] == t)["tokens_per_s"] for t in rtts]
-            return math.exp(sum(math.log(v) for v in vals) / len(vals))
-
-        ranked = sorted(complete, key=geomean, reverse=True)
-        lines += ["## Geometric mean tokens/s over all RTTs (the default is chosen from this)", "",
-                  "| config | geomean tokens/s |", "|---|--:|"]
-        lines += [f"| {n} | {geomean(n):.2f} |" for n in ranked]
-        lines.append("")
-    text = "\n".join(lines)
-    (out / "network.md").write_text(text + "\n")
-    plot(rows, out / "network.png")
-    return text
-
-
-def plot(rows: list[dict], path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in dict.fromkeys(r["config"] for r in rows):
-        pts = sorted((r["rtt_ms"], r["tokens_per_s"]) for r in rows if r["config"] == name)
-        style = "-" if name.endswith("+prov") else ("--" if name.endswith("+0") else ":")
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=name)
-    ax.set_xlabel("RTT between edge and cloud (ms)")
-    ax.set_ylabel("tokens/s")
-    drafter = rows[0].get("drafter", "model").split(":")[0] if rows else "model"  # model:<dir> or eagle
-    ax.set_title(f"specsplit across a delayed network ({drafter} draft, greedy)")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # -- main -----------------------------------------------------------------------------------------------
