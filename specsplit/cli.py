@@ -147,10 +147,22 @@ def _tree_flags(parser: argparse.ArgumentParser) -> None:
         "decode bursts (orchestrator; rounds with no draft tree)",
         "--draft none, a draft the goodput trigger finds not to pay, or a failed draft: the verifier decodes "
         "several tokens alone per request, so a far verifier's round trip is paid once per burst, not per token.")
-    burst.add_argument("--burst-max", type=int, default=d.burst_max,
+    burst.add_argument("--burst-max", type=_burst_max, default=d.burst_max,
                        help=f"most tokens per burst (default {d.burst_max}; 1: a token per request). Bursts are "
                             f"sized so the measured round trip is at most {d.burst_overhead * 100:.0f}%% of a round: one "
                             "token next to the verifier, ~13 at RTT 50 ms with an ~80 ms target step")
+
+
+def _burst_max(text: str) -> int:
+    """--burst-max: a burst is one token plus at most the verifier's max_decode_steps more."""
+    from specsplit.config import VerifierConfig
+
+    most = VerifierConfig().max_decode_steps + 1
+    value = int(text)
+    if not 1 <= value <= most:
+        raise argparse.ArgumentTypeError(f"must be 1..{most} (a verifier decodes at most {most - 1} more tokens "
+                                         f"alone per request), got {value}")
+    return value
 
 
 def _tree_config(args):

@@ -45,6 +45,8 @@ def test_bad_input_exits_with_a_clear_message(model_dir):
     assert "max_new_tokens must be > 0" in out.stderr
     out = cli("generate", "hello", "--target-model", str(path / "missing"))
     assert out.returncode == 2 and "not a local Hugging Face model directory" in out.stderr
+    out = cli("generate", "hello", "--burst-max", "0")
+    assert out.returncode == 2 and "--burst-max: must be 1..65" in out.stderr
 
 
 def test_help_teaches():
