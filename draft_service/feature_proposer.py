@@ -78,7 +78,7 @@ class FeatureProposer:
         self.tokenizer_fingerprint = manifest.tokenizer_fingerprint
         self.target_identity = manifest.target_identity
         self._sessions: dict[str, _FeatureSession] = {}
-        self._runner = ModelRunner("eagle")
+        self._runner = ModelRunner("eagle", self.config.threads)
 
     def start(self, session_id: str, prompt_token_ids: list[int], sampling: SamplingParams | None = None) -> None:
         sampling, generator = draft_sampling(sampling, self.config.q_top_k)

@@ -193,14 +193,15 @@ class ModelProposer:
 
     name = "model"
 
-    def __init__(self, loaded: LoadedModel, config: DraftConfig | None = None):
+    def __init__(self, loaded: LoadedModel, config: DraftConfig | None = None, name: str = "model"):
+        self.name = name  # "model": a draft LM; "half": the target itself at low precision
         self.loaded = loaded
         self.model = loaded.model
         self.config = config or DraftConfig()
         self.tokenizer_fingerprint = loaded.fingerprint
         self._cache_kwarg = kvcache.cache_kwarg(self.model)
         self._sessions: dict[str, _ModelSession] = {}
-        self._runner = ModelRunner("draft")
+        self._runner = ModelRunner("draft", self.config.threads)
 
     def start(self, session_id: str, prompt_token_ids: list[int], sampling: SamplingParams | None = None) -> None:
         sampling, generator = draft_sampling(sampling, self.config.q_top_k)

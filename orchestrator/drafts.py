@@ -26,8 +26,8 @@ from specsplit.tree import TokenTree, union_trees
 
 log = logging.getLogger("orchestrator.generation")
 
-STREAMING_DRAFTERS = ("model", "eagle")  # drafters that stream growing trees (DraftTree)
-DRAFT_CHOICES = ("auto", "ngram", "model", "eagle", "eagle+ngram", "medusa", "medusa+ngram", "none")
+STREAMING_DRAFTERS = ("model", "half", "eagle")  # drafters that stream growing trees (DraftTree)
+DRAFT_CHOICES = ("auto", "ngram", "model", "half", "eagle", "eagle+ngram", "medusa", "medusa+ngram", "none")
 MEDUSA = ("medusa", "medusa+ngram")  # self-speculation in the verifier (+ngram: merged with a lookup draft's tree)
 
 

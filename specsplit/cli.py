@@ -28,10 +28,12 @@ target model decoding alone.
 DRAFT_HELP = ("drafter: auto (a --draft-model if given; else the shipped eagle or medusa artifact for the target "
               "with the best tau measured in its manifest, combined with n-gram lookup; else n-gram prompt "
               "lookup), ngram, model (needs "
-              "--draft-model), eagle (EAGLE-style feature drafter; --draft-artifact or the shipped one), "
+              "--draft-model), half (the target's own weights in float16 on the draft service, see --draft-dtype: "
+              "no training, agrees with the float32 target almost always at about half its cost per token on a "
+              "CPU), eagle (EAGLE-style feature drafter; --draft-artifact or the shipped one), "
               "eagle+ngram (its tree merged with the n-gram lookup's), medusa (the verifier's own Medusa heads, "
               "no draft service; --medusa or the shipped ones), medusa+ngram, none (target only)")
-DRAFTS = ["auto", "ngram", "model", "eagle", "eagle+ngram", "medusa", "medusa+ngram", "none"]
+DRAFTS = ["auto", "ngram", "model", "half", "eagle", "eagle+ngram", "medusa", "medusa+ngram", "none"]
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -70,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="HOST:PORT of a running orchestrator; skips the embedded stack. Several, comma-separated "
                           "(sharing a --redis-url store): the generation resumes on another one if one fails")
     _model_flags(gen)
+    _draft_flags(gen)
     _tree_flags(gen)
 
     serve = sub.add_parser("serve", help="run one service until interrupted",
@@ -79,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="address to bind (env SPECSPLIT_LISTEN; default 127.0.0.1:50051)")
     serve.add_argument("--target-model", default=_env("SPECSPLIT_TARGET_MODEL"),
                        help="verifier: the target model; orchestrator: its tokenizer (default: SmolLM2-135M-Instruct)")
-    serve.add_argument("--draft", choices=["ngram", "model", "eagle", "eagle+ngram"], default="ngram",
-                       help="draft service: which drafter (eagle: needs the target's embedding, read from "
+    serve.add_argument("--draft", choices=["ngram", "model", "half", "eagle", "eagle+ngram"], default="ngram",
+                       help="draft service: which drafter (half: the --target-model at --draft-dtype; eagle: needs the target's embedding, read from "
                             "--target-model, and refuses an artifact trained for another target)")
     serve.add_argument("--draft-artifact", default=_env("SPECSPLIT_DRAFT_ARTIFACT"),
                        help="draft service: eagle artifact directory (default: the shipped one for --target-model)")
@@ -112,14 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--batch-wait-ms", type=float, default=40.0,
                        help="verifier: how long a batch waits at most for its other active sessions (default 40)")
     serve.add_argument("--max-batch-tokens", type=int, default=512, help="verifier: tokens per batch (default 512)")
-    serve.add_argument("--grow-width", type=int, default=DraftConfig.grow_width,
-                       help="model and eagle drafts: frontier nodes expanded per draft forward (default %(default)s; 1 = one "
-                            "branch: cheapest per forward on a CPU draft, where a 4-node forward costs ~2.5x a 1-node "
-                            "one)")
-    serve.add_argument("--branch-threshold", type=float, default=DraftConfig.branch_threshold,
-                       help="model and eagle drafts: a candidate above this probability opens a new branch (default "
-                            "%(default)s, LLMCad's; 1 = never branch)")
     _model_flags(serve)
+    _draft_flags(serve)
     _tree_flags(serve)
     return parser
 
@@ -171,6 +168,33 @@ def _tree_config(args):
     return OrchestratorConfig(trigger=args.trigger, fixed_tree_nodes=args.fixed_tree_nodes,
                               tree_max_nodes=args.tree_max_nodes, provisional_max=args.provisional_max,
                               burst_max=args.burst_max)
+
+
+def _draft_flags(parser: argparse.ArgumentParser) -> None:
+    from specsplit.config import DraftConfig
+
+    group = parser.add_argument_group("model drafts (draft service, or the embedded stack; --draft model, half or eagle)")
+    group.add_argument("--draft-dtype", default=_env("SPECSPLIT_DRAFT_DTYPE"),
+                       help="the draft model's dtype (--draft model or half): default float16 for half, --dtype for "
+                            "model. Any dtype keeps the output exact: the target verifies in --dtype")
+    group.add_argument("--draft-threads", type=int, default=int(_env("SPECSPLIT_DRAFT_THREADS", "0")),
+                       help="torch CPU threads of the draft's forwards (default 0: as --threads). With draft and "
+                            "verifier in one process on a small CPU, 1 keeps them from fighting over cores")
+    group.add_argument("--grow-width", type=int, default=None,
+                       help=f"frontier nodes expanded per draft forward (default {DraftConfig.grow_width}; 1 for half, "
+                            "whose greedy chain is almost always right; 1 = one branch: cheapest per forward on a CPU "
+                            "draft, where a 4-node forward costs ~2.5x a 1-node one)")
+    group.add_argument("--branch-threshold", type=float, default=DraftConfig.branch_threshold,
+                       help="a candidate above this probability opens a new branch (default %(default)s, LLMCad's; "
+                            "1 = never branch)")
+
+
+def _draft_config(args, drafter: str):
+    from specsplit.config import DraftConfig
+
+    width = args.grow_width or (1 if drafter == "half" else DraftConfig.grow_width)
+    return DraftConfig(max_nodes=getattr(args, "max_tree_nodes", DraftConfig.max_nodes), grow_width=width,
+                       branch_threshold=args.branch_threshold, threads=args.draft_threads)
 
 
 def _model_flags(parser: argparse.ArgumentParser) -> None:
@@ -234,7 +258,8 @@ def generate(args) -> int:
 
             medusa = load_medusa(args.medusa, target)
         proposers = default_proposers(args.draft, args.draft_model, args.device, args.dtype,
-                                      artifact=args.draft_artifact, target=target, target_model=args.target_model)
+                                      _draft_config(args, args.draft), artifact=args.draft_artifact, target=target,
+                                      target_model=args.target_model, draft_dtype=args.draft_dtype)
         stack = start_stack(target, proposers, medusa=medusa, orchestrator_config=_tree_config(args))
         address = stack.address
     token_ids: list[int] = []
@@ -319,9 +344,8 @@ def serve(args) -> int:
         server = launch.start_verifier(target, args.listen, config, medusa)
     elif args.service == "draft":
         proposer = launch.make_proposer(args.draft, args.draft_model, args.device, args.dtype,
-                                        DraftConfig(max_nodes=args.max_tree_nodes, grow_width=args.grow_width,
-                                                    branch_threshold=args.branch_threshold), artifact=args.draft_artifact,
-                                        target_model=args.target_model)
+                                        _draft_config(args, args.draft), artifact=args.draft_artifact,
+                                        target_model=args.target_model, draft_dtype=args.draft_dtype)
         server = launch.start_draft(proposer, args.listen, args.max_tree_nodes,
                                     args.draft_model or getattr(proposer, "artifact", ""), args.idle_timeout)
     else:

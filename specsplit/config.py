@@ -46,6 +46,7 @@ class DraftConfig:
     grow_width: int = 4  # frontier nodes expanded per draft forward
     grow_min_relative: float = 0.05  # branches under 5% of the best one's confidence stop
     grow_max_depth: int = 32  # draft forwards per tree at most
+    threads: int = 0  # torch CPU threads of a model or eagle draft's forwards (0: the process's)
     q_top_k: int = 32  # a sampling draft draws from its top 32 tokens: q travels as at most 32 (id, prob) pairs
     idle_timeout_s: float = 300.0  # a session untouched this long lost its orchestrator: forget it
 

@@ -26,11 +26,16 @@ def start_verifier(loaded: LoadedModel, address: str = "127.0.0.1:0", config: Ve
     return server
 
 
+HALF_DTYPE = "float16"  # the half drafter's default precision
+
+
 def make_proposer(kind: str, draft_model: str | None = None, device: str | None = "auto", dtype: str = "float32",
                   config: DraftConfig | None = None, loaded: LoadedModel | None = None, artifact: str | None = None,
-                  target_model: str | None = None):
-    """kind: "ngram", "model" (a draft model path, or an already loaded model), "eagle" or "eagle+ngram"
-    (an eagle artifact for ``target_model``; default: the shipped one for it)."""
+                  target_model: str | None = None, draft_dtype: str | None = None):
+    """kind: "ngram", "model" (a draft model path, or an already loaded model), "half" (the target itself,
+    ``target_model``, at ``draft_dtype``, default float16), "eagle" or "eagle+ngram" (an eagle artifact for
+    ``target_model``; default: the shipped one for it). ``draft_dtype``: the draft model's dtype when it is
+    not ``dtype``."""
     from draft_service.feature_proposer import load_feature_proposer
     from draft_service.ngram import NgramProposer
     from draft_service.proposers import CombinedProposer, ModelProposer
@@ -41,13 +46,19 @@ def make_proposer(kind: str, draft_model: str | None = None, device: str | None 
         return load_feature_proposer(artifact, target_model, config)
     if kind == "eagle+ngram":
         return CombinedProposer(load_feature_proposer(artifact, target_model, config), NgramProposer(config))
+    if kind == "half":
+        # The target's own weights at low precision: no training, and on a CPU float16 costs about half
+        # of float32 per token while agreeing with the float32 target's greedy tokens almost always
+        # (bench/results/drafters_half.md). Verification stays exact on the target in its own dtype.
+        loaded = loaded or load_model(target_model, device, draft_dtype or HALF_DTYPE)
+        return ModelProposer(loaded, config, name="half")
     if kind == "model":
         if loaded is None:
             if not draft_model:
                 raise InvalidArgument("--draft model needs --draft-model PATH (a local Hugging Face causal LM)")
-            loaded = load_model(draft_model, device, dtype)
+            loaded = load_model(draft_model, device, draft_dtype or dtype)
         return ModelProposer(loaded, config)
-    raise InvalidArgument(f"unknown drafter {kind!r}; choose ngram, model, eagle or eagle+ngram")
+    raise InvalidArgument(f"unknown drafter {kind!r}; choose ngram, model, half, eagle or eagle+ngram")
 
 
 def start_draft(proposer, address: str = "127.0.0.1:0", max_nodes: int = 64, model_name: str = "",
@@ -137,7 +148,7 @@ def start_stack(target: LoadedModel, proposers: list, verifier_config: VerifierC
 
 def default_proposers(draft: str, draft_model: str | None, device: str | None, dtype: str,
                       config: DraftConfig | None = None, artifact: str | None = None, target: LoadedModel | None = None,
-                      target_model: str | None = None) -> list:
+                      target_model: str | None = None, draft_dtype: str | None = None) -> list:
     """The drafters behind --draft (auto: a draft model if one was given, else see ``auto_draft``).
     medusa runs in the verifier (no draft service); medusa+ngram adds an n-gram lookup draft."""
     if draft == "auto" and not draft_model:
@@ -148,9 +159,11 @@ def default_proposers(draft: str, draft_model: str | None, device: str | None, d
         return [make_proposer("ngram", config=config)]
     if draft in ("eagle", "eagle+ngram"):
         return [make_proposer(draft, config=config, artifact=artifact, target_model=target_model)]
+    if draft == "half":
+        return [make_proposer("half", device=device, config=config, target_model=target_model, draft_dtype=draft_dtype)]
     if draft in ("model", "auto"):
-        return [make_proposer("model", draft_model, device, dtype, config)]
-    raise InvalidArgument(f"unknown --draft {draft!r}; choose auto, ngram, model, eagle, eagle+ngram, medusa, "
+        return [make_proposer("model", draft_model, device, dtype, config, draft_dtype=draft_dtype)]
+    raise InvalidArgument(f"unknown --draft {draft!r}; choose auto, ngram, model, half, eagle, eagle+ngram, medusa, "
                           "medusa+ngram or none")
 
 

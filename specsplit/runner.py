@@ -14,8 +14,12 @@ import torch
 
 
 class ModelRunner:
-    def __init__(self, name: str):
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"specsplit-{name}")
+    def __init__(self, name: str, threads: int = 0):
+        """threads: torch CPU threads of this model's forwards (0: the process's). OpenMP's thread count is
+        per calling thread, so a draft and a verifier in one process can each keep to their own cores."""
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"specsplit-{name}",
+                                            initializer=torch.set_num_threads if threads > 0 else None,
+                                            initargs=(threads,) if threads > 0 else ())
 
     def __call__(self, fn, *args, **kwargs):
         """Run ``fn(*args, **kwargs)`` on the model thread under inference mode and return its result."""

@@ -49,11 +49,23 @@ def test_bad_input_exits_with_a_clear_message(model_dir):
     assert out.returncode == 2 and "--burst-max: must be 1..65" in out.stderr
 
 
+def test_generate_with_the_half_draft(model_dir):
+    path, loaded = model_dir
+    out = cli("generate", "hello world", "--target-model", str(path), "--max-new-tokens", "16", "--json",
+              "--draft", "half", "--draft-threads", "1")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["token_ids"] == hf_greedy(loaded.model, result["prompt_token_ids"], 16)
+    assert result["num_draft_tokens"] > 0  # the float16 target drafted
+
+
 def test_help_teaches():
     out = cli("--help")
     assert out.returncode == 0 and "serve verifier" in out.stdout
     out = cli("generate", "--help")
     assert "--draft" in out.stdout and "--json" in out.stdout
+    text = " ".join(out.stdout.split())  # argparse wraps lines
+    assert "half (the target's own weights in float16" in text and "--draft-threads" in text
 
 
 def _serve(*args):

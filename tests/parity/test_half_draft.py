@@ -1,0 +1,79 @@
+"""The half drafter: the target's own weights at low precision as the draft, verified by the target exactly.
+
+Through the real gRPC services (streamed DraftTree rounds), greedy output equals HF greedy of the float32
+target alone for every trigger; the draft is the saved target reloaded in float16 (and bfloat16), and it
+agrees with the target well enough that whole greedy chains are accepted. Its forwards run on their own
+model thread with their own torch thread count.
+"""
+
+import threading
+
+import pytest
+import torch
+
+from specsplit.client import Client
+from specsplit.config import DraftConfig, OrchestratorConfig
+from specsplit.launch import default_proposers, make_proposer, start_stack
+from specsplit.runner import ModelRunner
+from tiny import hf_greedy, tiny_loaded
+
+PROMPTS = [[258, 72, 101, 108, 108, 111], list(range(30, 90)), [42]]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    """The tiny target saved as a local HF model directory, as a real target would be."""
+    loaded = tiny_loaded(seed=0, layers=2)
+    path = tmp_path_factory.mktemp("tiny-target")
+    loaded.model.save_pretrained(path)
+    loaded.tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_loaded(seed=0, layers=2)
+
+
+def run(stack, prompt_ids, max_new_tokens):
+    chunks = list(Client(stack.address).generate(prompt_token_ids=prompt_ids, max_new_tokens=max_new_tokens,
+                                                 draft="half"))
+    return [t for c in chunks for t in c.token_ids], [c.stats for c in chunks if c.stats is not None]
+
+
+@pytest.mark.parametrize("trigger", ["goodput", "edgellm", "fixed"])
+def test_half_draft_is_lossless(target, target_dir, trigger):
+    proposer = make_proposer("half", device="cpu", target_model=str(target_dir),
+                             config=DraftConfig(grow_width=1, threads=1))
+    assert proposer.name == "half" and proposer.model.dtype == torch.float16
+    config = OrchestratorConfig(trigger=trigger, fixed_tree_nodes=4, tree_max_nodes=16, share_estimates=False)
+    with start_stack(target, [proposer], orchestrator_config=config) as stack:
+        whole = drafted = 0
+        for prompt in PROMPTS:
+            tokens, stats = run(stack, prompt, 40)
+            assert tokens == hf_greedy(target.model, prompt, 40)
+            rounds = [s for s in stats if s.num_draft_tokens]
+            assert rounds and all(s.drafter == "half" for s in rounds)
+            drafted += len(rounds)
+            whole += sum(s.num_accepted == s.tree_depth for s in rounds)
+        assert whole >= 0.7 * drafted  # float16 almost always picks the float32 target's greedy token
+
+
+def test_draft_dtype_is_chosen(target_dir):
+    (bf16,) = default_proposers("half", None, "cpu", "float32", target_model=str(target_dir), draft_dtype="bfloat16")
+    assert bf16.name == "half" and bf16.model.dtype == torch.bfloat16
+    (model,) = default_proposers("model", str(target_dir), "cpu", "float32", draft_dtype="float16")
+    assert model.name == "model" and model.model.dtype == torch.float16
+    (same,) = default_proposers("model", str(target_dir), "cpu", "float32")
+    assert same.model.dtype == torch.float32
+
+
+def test_model_runner_keeps_its_own_thread_count():
+    before = torch.get_num_threads()
+    runner = ModelRunner("t", threads=1)
+    try:
+        assert runner(torch.get_num_threads) == 1
+        assert runner(lambda: threading.current_thread().name).startswith("specsplit-t")
+    finally:
+        runner.close()
+    assert torch.get_num_threads() == before  # the caller's threads are untouched
