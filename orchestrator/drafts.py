@@ -160,9 +160,11 @@ class DraftMixin:
             key = ("trigger", self.config.trigger, self._drafter_name(session))
             learned = self._learned.get(key) if self.config.share_estimates else None
             session.trigger = (copy.deepcopy(learned) if learned is not None else
-                               make_trigger(self.config.trigger, self.config.fixed_tree_nodes))
+                               make_trigger(self.config.trigger, self.config.fixed_tree_nodes,
+                                            self.config.pipeline and self.config.provisional_max > 0))
             self._learned[key] = session.trigger
         trigger = session.trigger
+        ahead, session.ahead = (session.ahead if self.config.pipeline and self.config.provisional_max else []), []
         if session.state.draft_down_until:  # the draft failed earlier and its pause is over: start it again
             session.draft = self._draft_replica_after(session.draft)
             self._start_draft(session)
@@ -183,9 +185,17 @@ class DraftMixin:
                                                   features=session.features)
                 session.unsent = []
                 session.features = []
+                if ahead:  # last round's kept provisional tokens: verified at once if the trigger says so
+                    parent = -1
+                    for token, prob in ahead[:max_nodes]:
+                        parent = tree.add(parent, token, prob)
+                    if trigger.should_verify(tree.confidence[parent], len(tree)):
+                        seeded = len(tree)  # pipelined: the draft seeds these same tokens and goes on from them
+                    else:
+                        ahead, tree = [], GrowingTree()  # the draft's stream brings them, and grows on
                 # The first step may wait for the previous round's last forward and catch up on many tokens.
                 timeout = self.config.draft_timeout_s * 5
-                while True:
+                while not ahead:
                     step = stream.next(timeout=timeout)
                     timeout = self.config.draft_timeout_s
                     if step is None or step.provisional:
@@ -219,13 +229,18 @@ class DraftMixin:
         round_ms = (time.perf_counter() - started) * 1e3
         committed = list(verdict.committed_token_ids)
         accepted = len(verdict.accepted_nodes)
-        provisional = []
+        provisional: list[tuple[int, float]] = []  # [P] (token, draft prob) drafted from the leaf meanwhile
         try:
-            provisional = [t for s in (stream.ready() if stream is not None else []) if s.provisional for t in s.token_ids]
+            arrived = stream.ready() if stream is not None else []
+            if not ahead or _draft_seeded(arrived, tree.token_ids):  # else the draft went on from another leaf
+                provisional = [(t, q) for s in arrived if s.provisional for t, q in zip(s.token_ids, s.draft_probs)]
         except RpcError:
             pass
         path = tree.path_to(leaf) if leaf >= 0 else []
-        kept = reconcile_provisional(committed, [tree.token_ids[n] for n in path] + provisional)
+        route = [(tree.token_ids[n], tree.draft_probs[n]) for n in path] + provisional
+        kept = reconcile_provisional(committed, [t for t, _ in route])
+        if kept:
+            session.ahead = route[len(route) - len(kept):]
         if accepted:
             branch = tree.path_to(verdict.accepted_nodes[-1])
             below = [n for n in range(len(tree)) if branch[-1] in tree.path_to(n)]
@@ -235,7 +250,7 @@ class DraftMixin:
         trigger.observe(RoundOutcome(
             num_drafted=len(branch), num_accepted=accepted,
             confidences=tuple(tree.confidence[n] for n in branch), committed=len(committed), round_ms=round_ms,
-            draft_steps=steps, draft_ms=step_ms, plain=not len(tree)))
+            draft_steps=steps, draft_ms=step_ms, plain=not len(tree), pipelined_next=bool(session.ahead)))
         wasted = len(tree) - accepted + len(provisional) - min(len(kept), len(provisional))
         return TreeRound(token_tree, draft_ms if len(tree) else None, verdict, timing, wasted, seeded)
 
@@ -260,6 +275,13 @@ class DraftMixin:
                 session.draft.end(session.id, timeout=self.config.draft_timeout_s)
             except RpcError:
                 pass
+
+
+def _draft_seeded(steps, token_ids) -> bool:
+    """Whether the draft's round began with the tree the orchestrator sent (a pipelined round): its seeded
+    step starts with those tokens, so its provisional tokens continue that tree's leaf."""
+    seeds = [s for s in steps if s.seeded]
+    return bool(seeds) and tuple(seeds[0].token_ids[: len(token_ids)]) == tuple(token_ids)
 
 
 def _is_refusal(err) -> bool:

@@ -145,10 +145,13 @@ class Orchestrator(DraftMixin):
         session.save_controller()
         self.store.create(state)  # a taken session id is refused here
         try:
+            if draft is not None:  # first: a model draft prefills the prompt while the verifier does
+                self._start_draft(session)
             with tracer.start_as_current_span("specsplit.orchestrator.prefill"):
                 self.placement.restore(session, fresh=True)
             self._commit(session)  # the store now names the replica holding the cache
         except BaseException:
+            self._end_draft(session)
             self.placement.release(session)
             self.store.delete(state.session_id)
             raise
@@ -252,7 +255,7 @@ class Orchestrator(DraftMixin):
             span.set_attribute("gen_ai.usage.input_tokens", len(state.prompt_token_ids))
             span.set_attribute("specsplit.resumed", bool(request.resume_session_id))
             try:
-                if session.draft is not None:
+                if session.draft is not None and request.resume_session_id:  # (a new session's started in _start)
                     self._start_draft(session)
                 yield Chunk("", [], session_id=session.id, prompt_token_ids=list(state.prompt_token_ids))
                 yield from self._replay(session, request.resume_from_token)

@@ -36,6 +36,9 @@ class LiveSession:
     proposal: TokenTree | None = None  # the verifier's Medusa tree for the next round
     trigger: object | None = None  # the verification trigger of streamed trees (orchestrator.trigger), per session
     burst: BurstSizer = field(default_factory=BurstSizer)  # tokens a target-only round asks for
+    # Last round's provisional tokens that continue the committed text, (token, draft prob) from the root down:
+    # the draft holds them too, and with OrchestratorConfig.pipeline they are the next tree, verified at once.
+    ahead: list[tuple[int, float]] = field(default_factory=list)
 
     @property
     def id(self) -> str:

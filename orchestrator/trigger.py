@@ -33,6 +33,10 @@ ALPHA_MIN = 1e-6  # α never reaches 0 (then T < α could never fire and only th
 # forward delays the next round (measured with the trained draft_lm, accepted whole ~20% of the time:
 # provisional generation cost 5-10% of tokens/s, bench/results/network_draft_lm.md).
 PROVISIONAL_MIN_CHANCE = 0.3
+# Pipelined verification (OrchestratorConfig.pipeline): once at least this share of drafted rounds keep their
+# provisional tokens, the goodput trigger verifies at once and lets the draft supply the next tree while the
+# verifier works, instead of drafting on serially while the verifier waits.
+PIPELINE_MIN_SHARE = 0.5
 
 
 def tree_confidence(confidence: list[float], live: list[int]) -> float:
@@ -50,6 +54,7 @@ class RoundOutcome:
     draft_steps: int  # draft forwards until the trigger
     draft_ms: float  # draft forward time until the trigger, as the draft measured it
     plain: bool = False  # nothing was drafted: the target decoded alone (a decode burst: committed >= 1)
+    pipelined_next: bool = False  # provisional tokens were kept: the next round may verify them at once
 
 
 @dataclass
@@ -112,9 +117,14 @@ class GoodputThreshold:
     warmup: int = 4  # drafted rounds before the first target-only probe
     probe_every: int = 16  # rounds of the better round type between probes of the other
     since_probe: int = 0  # rounds since the last probe (or since the start)
+    # Decayed share of drafted rounds whose provisional tokens were kept for the next one (pipelined verification
+    # on: starts at PIPELINE_MIN_SHARE, so the first tree is verified at once and the draft goes on meanwhile).
+    pipelined: float = 0.0
 
     def should_verify(self, confidence: float, num_nodes: int) -> bool:
-        return confidence < self.alpha
+        """T < α; or at once while drafted rounds usually keep their provisional tokens: then the draft drafts
+        the branch on during the verification anyway, at no cost, and the kept tokens are the next tree."""
+        return confidence < self.alpha or self.pipelined >= PIPELINE_MIN_SHARE
 
     def provisional_worth(self, branch_confidence: float) -> bool:
         """Draft provisionally from the sent branch only if it is accepted whole often enough: the chance
@@ -148,6 +158,7 @@ class GoodputThreshold:
             self.drafting = self._prefer_drafting()
         if outcome.plain:
             return
+        self.pipelined = (1 - self.ema) * self.pipelined + self.ema * outcome.pipelined_next
         if outcome.round_ms > 0 and outcome.committed > 0:
             self.rate = self._mix(self.rate, outcome.committed / outcome.round_ms)
         if outcome.draft_steps > 0 and outcome.draft_ms > 0:
@@ -183,9 +194,10 @@ def fit_gamma(confidences: list[float], accepted: int, bounds: tuple[float, floa
 TRIGGERS = ("goodput", "edgellm", "fixed")
 
 
-def make_trigger(kind: str, fixed_size: int = 16):
+def make_trigger(kind: str, fixed_size: int = 16, pipeline: bool = False):
+    """pipeline: kept provisional tokens can be verified at once (OrchestratorConfig.pipeline, provisional on)."""
     if kind == "goodput":
-        return GoodputThreshold()
+        return GoodputThreshold(pipelined=PIPELINE_MIN_SHARE if pipeline else 0.0)
     if kind == "edgellm":
         return EdgeLLMThreshold()
     if kind == "fixed":

@@ -178,8 +178,9 @@ def _draft_flags(parser: argparse.ArgumentParser) -> None:
                        help="the draft model's dtype (--draft model or half): default float16 for half, --dtype for "
                             "model. Any dtype keeps the output exact: the target verifies in --dtype")
     group.add_argument("--draft-threads", type=int, default=int(_env("SPECSPLIT_DRAFT_THREADS", "0")),
-                       help="torch CPU threads of the draft's forwards (default 0: as --threads). With draft and "
-                            "verifier in one process on a small CPU, 1 keeps them from fighting over cores")
+                       help="torch CPU threads of the draft's forwards (default 0: as --threads). On a small CPU, "
+                            "1 for the draft leaves the other cores to the verifier (the embedded generate runs a "
+                            "half or model draft in its own process with this many threads)")
     group.add_argument("--grow-width", type=int, default=None,
                        help=f"frontier nodes expanded per draft forward (default {DraftConfig.grow_width}; 1 for half, "
                             "whose greedy chain is almost always right; 1 = one branch: cheapest per forward on a CPU "
@@ -195,6 +196,17 @@ def _draft_config(args, drafter: str):
     width = args.grow_width or (1 if drafter == "half" else DraftConfig.grow_width)
     return DraftConfig(max_nodes=getattr(args, "max_tree_nodes", DraftConfig.max_nodes), grow_width=width,
                        branch_threshold=args.branch_threshold, threads=args.draft_threads)
+
+
+def _draft_process_args(args, kind: str) -> list[str]:
+    """``specsplit serve draft`` flags for the embedded stack's draft process (--draft half or model)."""
+    out = ["--draft", kind, "--device", args.device, "--dtype", args.dtype,
+           "--threads", str(args.draft_threads or args.threads), "--branch-threshold", str(args.branch_threshold)]
+    for flag, value in (("--target-model", args.target_model), ("--draft-model", args.draft_model),
+                        ("--draft-dtype", args.draft_dtype), ("--grow-width", args.grow_width)):
+        if value:
+            out += [flag, str(value)]
+    return out
 
 
 def _model_flags(parser: argparse.ArgumentParser) -> None:
@@ -245,7 +257,7 @@ def generate(args) -> int:
     if args.orchestrator:
         address = args.orchestrator
     else:
-        from specsplit.launch import default_proposers, load_model, start_stack
+        from specsplit.launch import DraftProcess, default_proposers, load_model, start_stack
 
         from specsplit.launch import auto_draft
 
@@ -257,10 +269,16 @@ def generate(args) -> int:
             from verifier_service.medusa import load_medusa
 
             medusa = load_medusa(args.medusa, target)
-        proposers = default_proposers(args.draft, args.draft_model, args.device, args.dtype,
-                                      _draft_config(args, args.draft), artifact=args.draft_artifact, target=target,
-                                      target_model=args.target_model, draft_dtype=args.draft_dtype)
-        stack = start_stack(target, proposers, medusa=medusa, orchestrator_config=_tree_config(args))
+        kind = "model" if args.draft == "auto" and args.draft_model else args.draft
+        if kind in ("half", "model"):  # a draft LM runs as its own service process, as on an edge box
+            processes, proposers = [DraftProcess(_draft_process_args(args, kind))], []
+        else:
+            processes = []
+            proposers = default_proposers(args.draft, args.draft_model, args.device, args.dtype,
+                                          _draft_config(args, args.draft), artifact=args.draft_artifact, target=target,
+                                          target_model=args.target_model, draft_dtype=args.draft_dtype)
+        stack = start_stack(target, proposers, medusa=medusa, orchestrator_config=_tree_config(args),
+                            processes=processes)
         address = stack.address
     token_ids: list[int] = []
     prompt_ids: list[int] = []

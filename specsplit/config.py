@@ -79,6 +79,11 @@ class OrchestratorConfig:
     fixed_tree_nodes: int = 4  # trigger "fixed": verify at this many nodes
     tree_max_nodes: int = 48  # node budget of a streamed tree (any trigger)
     provisional_max: int = 16  # tokens drafted from the best branch while its tree is verified; 0: off
+    # Pipelined verification: when last round's provisional tokens continue the committed text, send them for
+    # verification at once as the next tree (the draft goes on drafting provisionally from their end) instead
+    # of waiting for the draft's next round and the trigger. The verifier never waits for the draft, and a
+    # tree is as long as what the draft made during the last verification (incl. the network round trip).
+    pipeline: bool = True
     # Rounds with no draft tree (--draft none, a draft that does not pay, a failed draft) ask the verifier to
     # decode a burst of tokens alone in one request, sized so the measured round trip outside the verifier
     # is at most burst_overhead of the round (RTT 50 ms, ~80 ms a token: 13 tokens; at 10% it was 6, and the

@@ -47,3 +47,11 @@ def truncate(cache: DynamicCache, length: int) -> None:
         if layer.is_initialized and layer.keys.shape[-2] > length:
             layer.keys = layer.keys[..., :length, :]  # [B, H_kv, length, D]
             layer.values = layer.values[..., :length, :]  # [B, H_kv, length, D]
+
+
+def cast(cache: DynamicCache, dtype: torch.dtype) -> None:
+    """Every layer's keys and values in ``dtype`` (for a forward by a copy of the model in another dtype)."""
+    for layer in cache.layers:
+        if layer.is_initialized and layer.keys.dtype != dtype:
+            layer.keys = layer.keys.to(dtype)  # [B, H_kv, S, D]
+            layer.values = layer.values.to(dtype)  # [B, H_kv, S, D]

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import collections
+import copy
 import logging
-from dataclasses import dataclass
+import os
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+
+import torch
 
 from specsplit.config import DraftConfig, OrchestratorConfig, VerifierConfig
 from specsplit.errors import InvalidArgument
@@ -51,7 +59,12 @@ def make_proposer(kind: str, draft_model: str | None = None, device: str | None 
         # of float32 per token while agreeing with the float32 target's greedy tokens almost always
         # (bench/results/drafters_half.md). Verification stays exact on the target in its own dtype.
         loaded = loaded or load_model(target_model, device, draft_dtype or HALF_DTYPE)
-        return ModelProposer(loaded, config, name="half")
+        prefill = None
+        if loaded.model.device.type == "cpu" and loaded.model.dtype == torch.float16:
+            # CPUs without float16 matrix units run many-token float16 forwards slowly: prompts go through a
+            # bfloat16 copy (bench numbers in ModelProposer)
+            prefill = copy.deepcopy(loaded.model).to(torch.bfloat16)
+        return ModelProposer(loaded, config, name="half", prefill_model=prefill)
     if kind == "model":
         if loaded is None:
             if not draft_model:
@@ -90,6 +103,46 @@ def start_orchestrator(verifier_addresses: str | list[str], draft_addresses: lis
     return server
 
 
+class DraftProcess:
+    """A draft service in a child process (``specsplit serve draft ARGS``) on a loopback port.
+
+    A model draft beside the verifier in one Python process fights it for the interpreter lock while both run
+    forwards at once (provisional drafting under a verification), which undoes the overlap: the half draft
+    ran the chat prompts at 19 tokens/s in one process against 36 with the draft in its own process (2-core
+    CPU). Its own process is also what an edge box runs. ``address`` is known once it serves.
+    """
+
+    def __init__(self, args: list[str], timeout_s: float = 300.0):
+        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "specsplit.cli", "serve", "draft", "--listen",
+                                      "127.0.0.1:0", *args], stderr=subprocess.PIPE, text=True, env=env)
+        self._log: collections.deque[str] = collections.deque(maxlen=40)  # its last stderr lines, for errors
+        ready = threading.Event()
+        self.address = ""
+
+        def drain() -> None:  # read stderr to the end, so the child never blocks on a full pipe
+            for line in self.proc.stderr:
+                self._log.append(line.rstrip())
+                if not self.address and "serving on" in line:
+                    self.address = line.rsplit(" ", 1)[1].strip()
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=drain, daemon=True, name="draft-process-log").start()
+        if not ready.wait(timeout_s) or not self.address:
+            self.close()
+            raise InvalidArgument("the draft service process did not start: " + " | ".join(self._log))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
 @dataclass
 class Stack:
     """Draft(s), verifier replica(s) and orchestrator on loopback ephemeral ports in this process (real gRPC)."""
@@ -98,6 +151,7 @@ class Stack:
     drafts: list[Server]
     orchestrator: Server
     target: LoadedModel
+    processes: list = field(default_factory=list)  # DraftProcess children (their drafts come after ``drafts``)
 
     @property
     def address(self) -> str:
@@ -124,6 +178,8 @@ class Stack:
             server.stop(grace=1.0)
         for server in self.verifiers:
             server.core.close()  # each verifier's model thread
+        for process in self.processes:
+            process.close()
 
     def __enter__(self) -> "Stack":
         return self
@@ -134,16 +190,19 @@ class Stack:
 
 def start_stack(target: LoadedModel, proposers: list, verifier_config: VerifierConfig | None = None,
                 orchestrator_config: OrchestratorConfig | None = None, tokenizer=None, replicas: int = 1,
-                store=None, medusa=None) -> Stack:
+                store=None, medusa=None, processes: list | None = None) -> Stack:
     """proposers: in "auto" preference order (may be empty: target-only); replicas: verifier replicas
     (sharing the model's weights); store: a SessionStore (default: in this process); medusa: the
-    verifiers' Medusa heads (a MedusaProposer), for --draft medusa."""
+    verifiers' Medusa heads (a MedusaProposer), for --draft medusa; processes: DraftProcess children, whose
+    drafts follow the proposers' (the stack closes them)."""
+    processes = list(processes or [])
     verifiers = [start_verifier(target, config=verifier_config, medusa=medusa) for _ in range(replicas)]
     drafts = [start_draft(p, model_name=getattr(getattr(p, "loaded", None), "name", "") or getattr(p, "artifact", ""))
               for p in proposers]
-    orchestrator = start_orchestrator([v.address for v in verifiers], [d.address for d in drafts],
+    orchestrator = start_orchestrator([v.address for v in verifiers],
+                                      [d.address for d in drafts] + [p.address for p in processes],
                                       tokenizer or target.tokenizer, config=orchestrator_config, store=store)
-    return Stack(verifiers, drafts, orchestrator, target)
+    return Stack(verifiers, drafts, orchestrator, target, processes)
 
 
 def default_proposers(draft: str, draft_model: str | None, device: str | None, dtype: str,
@@ -194,5 +253,5 @@ def shipped_artifact(kind: str, target: LoadedModel):
     return find_artifact(kind, target_identity(target), target.fingerprint)
 
 
-__all__ = ["Stack", "start_stack", "start_verifier", "start_draft", "start_orchestrator", "make_proposer",
+__all__ = ["Stack", "DraftProcess", "start_stack", "start_verifier", "start_draft", "start_orchestrator", "make_proposer",
            "default_proposers", "load_model", "load_tokenizer"]

@@ -64,3 +64,19 @@ def test_unrelated_draft(target, trigger):
             tokens, stats = run(stack, prompt, 40)
             assert tokens == hf_greedy(target.model, prompt, 40)
             assert sum(s.num_draft_tokens for s in stats) > 0
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_pipelined_verification(target, pipeline):
+    """Kept provisional tokens verified at once as the next tree (pipeline) or seeding a tree the draft grows on."""
+    same = tiny_loaded(seed=0, layers=2)
+    config = OrchestratorConfig(trigger="goodput", provisional_max=8, pipeline=pipeline, share_estimates=False)
+    with start_stack(target, [ModelProposer(same, DraftConfig(grow_width=1))], orchestrator_config=config) as stack:
+        at_once = 0
+        for prompt in PROMPTS:
+            tokens, stats = run(stack, prompt, 48)
+            assert tokens == hf_greedy(target.model, prompt, 48)
+            # a pipelined round's tree is exactly last round's kept provisional tokens, and all of it is accepted
+            at_once += sum(0 < s.num_draft_tokens == s.provisional_kept == s.num_accepted for s in stats)
+        if pipeline:
+            assert at_once > 0

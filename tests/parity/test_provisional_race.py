@@ -109,3 +109,34 @@ def test_dropped_when_the_verdict_leaves_the_path(model):
     assert tokens_of([s for s in steps2 if not s.provisional]) == expected
     session = proposer._sessions["s"]
     assert kvcache.cache_length(session.cache) == len(session.cached)
+
+
+def test_seeds_past_the_verified_prefix_are_the_first_provisional_tokens(model):
+    """A pipelined round: the orchestrator sends only a prefix of the seeds for verification at once; the rest
+    of them continue that prefix's end, so they come back as provisional tokens without a forward."""
+    greedy = hf_greedy(model.model, PROMPT, 24)
+    proposer = chain_proposer(model)
+    control = GrowthControl()
+    for step in proposer.grow("s", PROMPT, 4, control, provisional_max=4):
+        if step.done:
+            control.verify(4)
+        if step.provisional and step.first == 7:
+            control.close()
+    assert proposer._sessions["s"].path_tokens == greedy[:8]
+    committed = PROMPT + greedy[:5]  # all 4 accepted + the bonus token: greedy[5:8] are seeds next round
+    real_expand = proposer._expand
+    calls = []
+    proposer._expand = lambda *args: calls.append(args[-1]) or real_expand(*args)
+    control = GrowthControl()
+    control.verify(2)  # before the round starts: the orchestrator verifies 2 of the 3 seeds at once
+    steps = []
+    for step in proposer.grow("s", committed, 8, control, provisional_max=3):
+        steps.append(step)
+        if len([s for s in steps if s.provisional]) == 3:
+            control.close()
+    assert steps[0].seeded == 3 and steps[0].token_ids == tuple(greedy[5:8])
+    provisional = [s for s in steps if s.provisional]
+    assert provisional[0].first == 2 and provisional[0].token_ids == (greedy[7],)  # the third seed, re-sent
+    assert tokens_of(provisional) == greedy[7:10]
+    assert len(calls) == 2  # forwards only for the two tokens after the seeds
+    assert proposer._sessions["s"].path_tokens == greedy[5:10]

@@ -84,6 +84,20 @@ def test_goodput_drafts_provisionally_only_behind_a_branch_likely_accepted_whole
     assert FixedSize(4).provisional_worth(0.01) and EdgeLLMThreshold().provisional_worth(0.01)
 
 
+def test_goodput_verifies_at_once_while_provisional_tokens_are_kept():
+    t = make_trigger("goodput", pipeline=True)
+    assert t.should_verify(0.99, 1)  # before anything is measured: verify, and let the draft go on meanwhile
+    kept = RoundOutcome(3, 3, (0.5, 0.3, 0.2), 4, 80.0, 0, 0.0, pipelined_next=True)
+    dropped = RoundOutcome(3, 1, (0.5, 0.3, 0.2), 2, 80.0, 3, 60.0, pipelined_next=False)
+    for _ in range(4):
+        t.observe(dropped)
+    assert not t.should_verify(0.99, 1) and t.should_verify(t.alpha / 2, 1)  # provisional tokens lost: α rules
+    for _ in range(4):
+        t.observe(kept)
+    assert t.should_verify(0.99, 1)
+    assert not make_trigger("goodput", pipeline=False).should_verify(0.99, 1)  # no pipelining: α from the start
+
+
 def test_make_trigger():
     assert isinstance(make_trigger("edgellm"), EdgeLLMThreshold)
     assert make_trigger("fixed", 12).size == 12
