@@ -8,6 +8,10 @@ Greedy decoding with the default target (SmolLM2-135M-Instruct, fp32, CPU). Meth
 
 - ``hf_greedy``: HF ``generate(do_sample=False)`` of the target alone (a child process): the baseline.
 - ``hf_assisted``: HF assisted generation with the distilled draft LM (``assistant_model=``).
+- ``hf_assisted_half``: HF assisted generation with the target itself in float16 as ``assistant_model``.
+- ``half``: the target in float16 as the draft (``--draft half``), in its own draft-service process with
+  ``--draft-threads`` threads (as the embedded ``specsplit generate`` runs it, and as an edge box would);
+  ``half+ngram``: the same, copying prompt-lookup spans first.
 - ``ngram``, ``eagle``, ``eagle+ngram``, ``medusa``, ``medusa+ngram``, ``draft_lm`` (``--draft model`` with an HF
   model directory built from the draft_lm artifact), ``none``: the embedded specsplit stack (real gRPC
   on loopback), one stack holding every drafter; the request's ``draft`` picks one.
@@ -47,12 +51,13 @@ from specsplit.client import Client  # noqa: E402
 from specsplit.config import DraftConfig, OrchestratorConfig  # noqa: E402
 from specsplit.heads import (FeatureDrafter, Manifest, MedusaHeads, build_draft_lm, draft_lm_manifest_config,  # noqa: E402
                              load_artifact, read_manifest, save_artifact)
-from specsplit.launch import make_proposer, start_stack  # noqa: E402
+from specsplit.launch import DraftProcess, make_proposer, start_stack  # noqa: E402
 from specsplit.models import load_model, target_identity  # noqa: E402
 from verifier_service.medusa import find_artifact, load_medusa  # noqa: E402
 
-SPECSPLIT = ["ngram", "eagle", "eagle+ngram", "medusa", "medusa+ngram", "draft_lm", "none"]
-METHODS = ["hf_greedy", "hf_assisted", *SPECSPLIT]
+SPECSPLIT = ["ngram", "eagle", "eagle+ngram", "medusa", "medusa+ngram", "draft_lm", "half", "half+ngram", "none"]
+METHODS = ["hf_greedy", "hf_assisted", "hf_assisted_half", *SPECSPLIT]
+HF_METHODS = ("hf_assisted", "hf_assisted_half")
 WARMUP_PROMPT = "Say hello."
 
 
@@ -77,15 +82,16 @@ class Result:
 
 # -- HF in a child process (one OpenMP team per process) ---------------------------------------------
 class HFWorker:
-    def __init__(self, threads: int, assistant_dir: str | None):
+    def __init__(self, threads: int, assistant_dir: str | None, half_assistant: bool = False):
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_hf_main, args=(child, threads, assistant_dir), daemon=True)
+        self.proc = ctx.Process(target=_hf_main, args=(child, threads, assistant_dir, half_assistant), daemon=True)
         self.proc.start()
         self.conn.recv()
 
-    def generate(self, ids: list[int], max_new: int, assisted: bool = False):
-        self.conn.send((ids, max_new, assisted))
+    def generate(self, ids: list[int], max_new: int, assistant: str = ""):
+        """assistant: "" (plain greedy), "hf_assisted" (the draft LM) or "hf_assisted_half" (the target in float16)."""
+        self.conn.send((ids, max_new, assistant))
         return self.conn.recv()  # (token_ids, seconds, forwards)
 
     def close(self) -> None:
@@ -93,14 +99,15 @@ class HFWorker:
         self.proc.join(timeout=30)
 
 
-def _hf_main(conn, threads: int, assistant_dir: str | None) -> None:
+def _hf_main(conn, threads: int, assistant_dir: str | None, half_assistant: bool) -> None:
     torch.set_num_threads(threads)
     loaded = load_model(None, "cpu", "float32")
-    assistant = load_model(assistant_dir, "cpu", "float32").model if assistant_dir else None
+    assistants = {"hf_assisted": load_model(assistant_dir, "cpu", "float32").model if assistant_dir else None,
+                  "hf_assisted_half": load_model(None, "cpu", "float16").model if half_assistant else None}
     conn.send("ready")
     while (msg := conn.recv()) is not None:
-        ids, max_new, assisted = msg
-        extra = {"assistant_model": assistant} if assisted else {}
+        ids, max_new, assistant = msg
+        extra = {"assistant_model": assistants[assistant]} if assistant else {}
         run = hf_generate(loaded, ids, max_new, **extra)
         conn.send((run.token_ids, run.seconds, run.rounds))
 
@@ -174,8 +181,8 @@ def bench_prompt(p: dict, methods: list[str], target, hf: HFWorker, client: Clie
     base, base_s, base_rounds = hf.generate(ids, args.max_new_tokens)
     results = [result_of(p, "hf_greedy", base, base_s, base_rounds, base, base_s)]
     for method in methods:
-        if method == "hf_assisted":
-            tokens, seconds, rounds = hf.generate(ids, args.max_new_tokens, assisted=True)
+        if method in HF_METHODS:
+            tokens, seconds, rounds = hf.generate(ids, args.max_new_tokens, assistant=method)
             results.append(result_of(p, method, tokens, seconds, rounds, base, base_s))
             continue
         draft = "model" if method == "draft_lm" else method
@@ -233,6 +240,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--random-init", action="store_true", help="untrained artifacts built here (smoke test)")
     parser.add_argument("--top-k", type=int, default=DraftConfig.model_top_k, help="eagle/model tree: children per node")
     parser.add_argument("--depth", type=int, default=DraftConfig.model_depth, help="eagle/model tree: depth")
+    parser.add_argument("--draft-threads", type=int, default=1, help="half: torch threads of its draft process")
     parser.add_argument("--trigger", default=OrchestratorConfig.trigger, choices=["goodput", "edgellm", "fixed", "budget"],
                         help="when model and eagle drafts are verified: streamed trees on a trigger, or budget "
                              "(whole trees sized by the acceptance/cost controller)")
@@ -267,21 +275,25 @@ def main(argv=None) -> None:
             if "draft_lm" in methods:
                 proposers.append(make_proposer("model", str(lm_dir), "cpu", "float32", config))
         medusa = load_medusa(artifacts["medusa"], target) if artifacts.get("medusa") is not None else None
-        hf = HFWorker(args.threads, str(lm_dir) if lm_dir and "hf_assisted" in methods else None)
+        hf = HFWorker(args.threads, str(lm_dir) if lm_dir and "hf_assisted" in methods else None,
+                      half_assistant="hf_assisted_half" in methods)
+        processes = [DraftProcess(["--draft", m, "--threads", str(args.draft_threads)])
+                     for m in ("half", "half+ngram") if m in methods]
         results: list[Result] = []
-        with start_stack(target, proposers, medusa=medusa,
-                         orchestrator_config=OrchestratorConfig(trigger=args.trigger)) as stack, Client(stack.address) as client, \
+        with start_stack(target, proposers, medusa=medusa, orchestrator_config=OrchestratorConfig(trigger=args.trigger),
+                         processes=processes) as stack, Client(stack.address) as client, \
                 contextlib.closing(hf):
             warm = chat_ids(target.tokenizer, WARMUP_PROMPT)
             hf.generate(warm, 8)
             for method in methods:
-                if method not in ("hf_assisted",):
+                if method not in HF_METHODS:
                     specsplit_run(client, warm, 8, "model" if method == "draft_lm" else method)
             for i, p in enumerate(prompts):
                 print(f"[{i + 1}/{len(prompts)}] ", end="", file=sys.stderr)
                 results += bench_prompt(p, methods, target, hf, client, args)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"model": target.name, "target_identity": target_identity(target), "threads": args.threads,
+            "draft_threads": args.draft_threads,
             "max_new_tokens": args.max_new_tokens, "random_init": args.random_init, "artifacts": names,
             "skipped": skipped, "torch": torch.__version__, "cpus": os.cpu_count(),
             "tree": {"top_k": args.top_k, "depth": args.depth}, "trigger": args.trigger}

@@ -17,7 +17,9 @@ by token against HF greedy of the target):
     fixed-N     verify when the streamed tree has N nodes (--fixed-sizes; the best of them is "best fixed")
     edgellm     verify when tree confidence T < alpha, EdgeLLM's alpha rule
     goodput     verify when T < alpha, alpha from measured draft, verify and network costs
-    each with provisional generation off (+0) and on (+prov), plus one n-gram row (code-edit prompt);
+    each with provisional generation off (+0) and on (+prov: kept provisional tokens are verified at once
+    as the next tree, pipelined; +seed: they only seed the next tree, grown on until the trigger fires),
+    plus one n-gram row (code-edit prompt);
     budget+0 (--configs): whole trees sized by the orchestrator's budget controller, not streamed;
     none (--configs): no draft, the target decoding alone on the cloud (what serving without specsplit's
     draft gives); any config@bN (--configs): at most N tokens per decode burst (@b1: one token a
@@ -80,10 +82,10 @@ def orchestrator_config(name: str, provisional_max: int, draft_timeout_s: float)
     common = {"draft_timeout_s": draft_timeout_s, **({"burst_max": burst} if burst else {})}
     if base in ("ngram", "none"):
         return OrchestratorConfig(trigger="budget", **common)
-    provisional = provisional_max if prov == "prov" else 0
+    common.update(provisional_max=provisional_max if prov in ("prov", "seed") else 0, pipeline=prov != "seed")
     if base.startswith("fixed-"):
-        return OrchestratorConfig(trigger="fixed", fixed_tree_nodes=int(base[6:]), provisional_max=provisional, **common)
-    return OrchestratorConfig(trigger=base, provisional_max=provisional, **common)
+        return OrchestratorConfig(trigger="fixed", fixed_tree_nodes=int(base[6:]), **common)
+    return OrchestratorConfig(trigger=base, **common)
 
 
 def draft_choice(name: str, drafter: str) -> str:
@@ -271,14 +273,16 @@ def parse_args(argv=None):
     parser.add_argument("--fixed-sizes", default="4,8,16", help="fixed tree sizes to compare (default 4,8,16)")
     parser.add_argument("--configs", default="", help="comma-separated subset of the configurations (default all)")
     parser.add_argument("--provisional-max", type=int, default=16, help="provisional tokens per verification (default 16)")
-    parser.add_argument("--grow-width", type=int, default=4, help="the draft's --grow-width (specsplit serve)")
+    parser.add_argument("--grow-width", type=int, default=0,
+                        help="the draft's --grow-width (default: specsplit serve's, 4; 1 for half)")
     parser.add_argument("--branch-threshold", type=float, default=0.3, help="the draft's --branch-threshold")
     parser.add_argument("--draft-timeout", type=float, default=10.0,
                         help="orchestrator's draft timeout, s (default 10; the service default 2 is tight on a busy CPU)")
     parser.add_argument("--target-model", default=None, help="target (default SmolLM2-135M-Instruct)")
     parser.add_argument("--draft-model", default=None, help="draft model dir (default: the target's own cache dir)")
-    parser.add_argument("--drafter", choices=["model", "eagle"], default="model", help="the streamed draft: model "
-                        "(--draft-model) or eagle (the feature drafter; the verifier sends it the target's features)")
+    parser.add_argument("--drafter", choices=["model", "half", "eagle"], default="model", help="the streamed draft: "
+                        "model (--draft-model), half (the target in float16) or eagle (the feature drafter; the "
+                        "verifier sends it the target's features)")
     parser.add_argument("--draft-artifact", default=None, help="eagle artifact dir (default: the shipped one)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     parser.add_argument("--edge-cpus", default="0", help="taskset CPUs of the edge host: draft, orchestrator, client "
@@ -335,10 +339,11 @@ def main(argv=None) -> int:
                                                    "--upstream", f"{hosts.cloud_ip}:{VERIFIER_PORT}",
                                                    "--rtt-ms", str(rtt)], "relay ")
             verifiers[str(rtt)] = f"{hosts.cloud_ip}:{port}"
-        drafter = (["--draft", "model", "--draft-model", draft_model] if args.drafter == "model" else
-                   ["--draft", "eagle", *model_args] + (["--draft-artifact", args.draft_artifact] if args.draft_artifact else []))
-        hosts.start(EDGE_NS, "draft", serve + ["draft", "--listen", f"{hosts.edge_ip}:{DRAFT_PORT}", *drafter,
-                                              "--grow-width", str(args.grow_width),
+        drafter = {"model": ["--draft", "model", "--draft-model", draft_model], "half": ["--draft", "half", *model_args],
+                   "eagle": ["--draft", "eagle", *model_args] + (["--draft-artifact", args.draft_artifact]
+                                                                 if args.draft_artifact else [])}[args.drafter]
+        width = ["--grow-width", str(args.grow_width)] if args.grow_width else []  # default: the service's
+        hosts.start(EDGE_NS, "draft", serve + ["draft", "--listen", f"{hosts.edge_ip}:{DRAFT_PORT}", *drafter, *width,
                                               "--branch-threshold", str(args.branch_threshold), *common], "serving on")
         hosts.start(EDGE_NS, "ngram", serve + ["draft", "--listen", f"{hosts.edge_ip}:{NGRAM_PORT}", "--draft", "ngram",
                                               *common], "serving on")
@@ -360,7 +365,7 @@ def main(argv=None) -> int:
     for r in rows:
         r["network"] = network
         r["draft_growth"] = {"grow_width": args.grow_width, "branch_threshold": args.branch_threshold}
-        r["drafter"] = args.drafter if args.drafter == "eagle" else f"model:{draft_model}"
+        r["drafter"] = f"model:{draft_model}" if args.drafter == "model" else args.drafter
     done = {(r["rtt_ms"], r["config"]) for r in rows}
     data["rows"] = [r for r in data["rows"] if (r["rtt_ms"], r["config"]) not in done] + rows
     data["rows"].sort(key=lambda r: (r["rtt_ms"], r["config"]))

@@ -10,6 +10,11 @@ import pathlib
 TRIGGERS = ("edgellm", "goodput")
 
 
+# provisional generation in a config name: +0 off, +seed kept tokens seed the next tree (the trigger decides when
+# to verify), +prov kept tokens verified at once as the next tree (pipelined, OrchestratorConfig.pipeline)
+PROVISIONAL = {"0": "off", "seed": "seeds", "prov": "pipelined", "": "-"}
+
+
 def parse_config(name: str) -> tuple[str, str, int | None]:
     """'goodput+prov@b1' -> ('goodput', 'prov', 1): trigger or row kind, provisional ('0', 'prov' or ''),
     decode-burst cap (None: the orchestrator's default)."""
@@ -36,24 +41,25 @@ def report(data: dict, out: pathlib.Path) -> str:
         for r in at:
             base, prov, burst = parse_config(r["config"])
             label = base + (f" @b{burst}" if burst else "")
-            lines.append(f"| {label} | {'on' if prov == 'prov' else ('-' if not prov else 'off')} | {r['tokens_per_s']:.2f} | "
+            lines.append(f"| {label} | {PROVISIONAL.get(prov, prov)} | {r['tokens_per_s']:.2f} | "
                          f"{r['tau']:.2f} | {r['verifications_per_100']:.1f} | {r['wasted']} | {r['provisional_kept']} | "
                          f"{r.get('decoded', 0)} | {'yes' if r['identical'] else 'NO'} |")
         lines.append("")
-        for suffix in ("+0", "+prov"):
+        for suffix in ("+0", "+seed", "+prov", ""):
             fixed = best_fixed(at, suffix)
             if fixed is None:
                 continue
             for trig in TRIGGERS:
-                adaptive = next((r for r in at if r["config"] == trig + suffix), None)
-                if adaptive:
-                    lines.append(f"- {trig}{suffix} vs best fixed ({fixed['config']}): "
-                                 f"{adaptive['tokens_per_s'] / fixed['tokens_per_s']:.2f}x")
-        for base in [f"fixed-{n}" for n in (4, 8, 16, 32)] + list(TRIGGERS):
+                for adaptive in [r for r in at if r["config"] == trig + suffix or (not suffix and r["config"].startswith(trig + "+"))]:
+                    lines.append(f"- {adaptive['config']} vs best fixed{' of any kind' if not suffix else ''} "
+                                 f"({fixed['config']}): {adaptive['tokens_per_s'] / fixed['tokens_per_s']:.2f}x")
+        for base in sorted({parse_config(r["config"])[0] for r in at}):
             off = next((r for r in at if r["config"] == base + "+0"), None)
-            on = next((r for r in at if r["config"] == base + "+prov"), None)
-            if off and on:
-                lines.append(f"- provisional generation, {base}: {on['tokens_per_s'] / off['tokens_per_s']:.2f}x tokens/s")
+            for kind in ("seed", "prov"):
+                on = next((r for r in at if r["config"] == f"{base}+{kind}"), None)
+                if off and on:
+                    lines.append(f"- provisional generation ({PROVISIONAL[kind]}), {base}: "
+                                 f"{on['tokens_per_s'] / off['tokens_per_s']:.2f}x tokens/s of none")
         for r in at:
             single = next((x for x in at if x["config"] == r["config"] + "@b1"), None)
             if single:

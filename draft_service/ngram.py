@@ -25,11 +25,15 @@ class NgramIndex:
             for n in range(self.n_min, min(self.n_max, end) + 1):
                 self.follow.setdefault(tuple(self.tokens[end - n : end]), []).append(end)
 
-    def continuations(self, max_len: int, max_branches: int) -> list[list[int]]:
-        """Distinct continuations of the longest suffix n-gram seen before, most recent occurrence first."""
+    def continuations(self, max_len: int, max_branches: int, context: list[int] | None = None) -> list[list[int]]:
+        """Distinct continuations of the longest suffix n-gram seen before, most recent occurrence first.
+
+        context: whose suffix to look up (default: the indexed tokens themselves); e.g. the indexed tokens
+        followed by drafted ones, which are not indexed."""
         end = len(self.tokens)
-        for n in range(min(self.n_max, end), self.n_min - 1, -1):
-            starts = self.follow.get(tuple(self.tokens[end - n :]), [])
+        context = self.tokens if context is None else context
+        for n in range(min(self.n_max, len(context)), self.n_min - 1, -1):
+            starts = self.follow.get(tuple(context[len(context) - n :]), [])
             paths: list[list[int]] = []
             for start in reversed(starts):
                 if start >= end:

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from draft_service.ngram import NgramProposer
+from draft_service.ngram import NgramIndex, NgramProposer
 from specsplit.growth import GrowingTree, GrowthPolicy, GrowthStep, best_leaf, grow_tree
 from specsplit.provisional import reconcile_provisional
 
@@ -98,8 +98,10 @@ class GrowthRound:
     After ``run``, ``tree`` holds the round's nodes and ``leaf`` the end of the provisional path (-1: none).
     """
 
-    def __init__(self, forward, forget, vocab_ids: torch.Tensor | None = None):
-        self.forward, self.forget, self.vocab_ids = forward, forget, vocab_ids
+    def __init__(self, forward, forget, vocab_ids: torch.Tensor | None = None, lookup=None):
+        """lookup(path_tokens) -> list[int]: a continuation copied from the session's text (prompt lookup) for
+        the committed tokens + ``path_tokens``, or []; provisional drafting takes it before drafting on."""
+        self.forward, self.forget, self.vocab_ids, self.lookup = forward, forget, vocab_ids, lookup
         self.tree = GrowingTree()
         self.leaf = -1
         self._last_rows: dict[int, torch.Tensor] = {}  # node -> next-token logits [V'], from the latest forward
@@ -154,15 +156,32 @@ class GrowthRound:
             yield GrowthStep(node, (tree.token_ids[node],), (tree.parents[node],), (tree.draft_probs[node],),
                              provisional=True)
         start = time.perf_counter()
-        for _ in range(provisional_max - len(ahead) if leaf >= 0 else 0):
-            if control.closed:
-                break
+        drafted, looked_up = len(ahead), set()
+        while drafted < provisional_max and leaf >= 0 and not control.closed:
+            copied = self._copy(leaf, provisional_max - drafted) if leaf not in looked_up else []
+            looked_up.add(leaf)
+            if copied:  # a copied span: sent at once, then one forward over all of it before drafting on
+                first = len(tree)
+                for token in copied:
+                    leaf = self.leaf = tree.add(leaf, token, LOOKUP_PROB)
+                drafted += len(copied)
+                yield GrowthStep(first, tuple(copied), tuple(tree.parents[first:]), (LOOKUP_PROB,) * len(copied),
+                                 provisional=True)
+                self._logits(list(range(first, len(tree))))
+                start = time.perf_counter()
+                continue
             row = self._last_rows[leaf] if leaf in self._last_rows else self._logits([leaf])[0]  # [V']
             prob, index = row.softmax(dim=-1).max(dim=-1)
             leaf = self.leaf = tree.add(leaf, self._token(int(index)), float(prob))
+            drafted += 1
             yield GrowthStep(leaf, (tree.token_ids[leaf],), (tree.parents[leaf],), (float(prob),), provisional=True,
                              draft_ms=(time.perf_counter() - start) * 1e3)
             start = time.perf_counter()
+
+    def _copy(self, leaf: int, limit: int) -> list[int]:
+        if self.lookup is None:
+            return []
+        return self.lookup([self.tree.token_ids[n] for n in self.tree.path_to(leaf)])[:limit]
 
 
 @dataclass
@@ -177,9 +196,12 @@ class _ModelSession:
     path_tokens: list[int] = field(default_factory=list)  # [P]
     path_probs: list[float] = field(default_factory=list)  # [P]
     warming: Future | None = None  # the prompt's prefill, started with the session (the first round waits on it)
+    index: NgramIndex | None = None  # prompt lookup over the committed tokens (a draft that copies spans)
 
 
 PREFILL_MIN_TOKENS = 4  # catch-ups of this many tokens or more go through ModelProposer.prefill_model
+LOOKUP_PROB = 0.9  # the draft probability a copied (prompt lookup) token is sent with
+LOOKUP_MAX = 16  # longest span copied at once
 
 
 class GrowthControl(Protocol):
@@ -206,14 +228,17 @@ class ModelProposer:
     name = "model"
 
     def __init__(self, loaded: LoadedModel, config: DraftConfig | None = None, name: str = "model",
-                 prefill_model=None):
+                 prefill_model=None, copies: bool = False):
         """prefill_model: the same weights in a dtype whose many-token forwards are fast, for catching up on
         ``PREFILL_MIN_TOKENS`` or more tokens (a prompt): on this CPU a float16 forward of 40 tokens took 443
-        ms, a bfloat16 one 51 ms, while one token takes 18.5 vs 26 ms."""
+        ms, a bfloat16 one 51 ms, while one token takes 18.5 vs 26 ms. copies: provisional drafting first copies
+        what followed the same words earlier in the session (prompt lookup, suffix n-grams of at least
+        ``config.lookup_min_ngram`` tokens), then drafts on with the model: code edits keep lookup's long spans."""
         self.name = name  # "model": a draft LM; "half": the target itself at low precision
         self.loaded = loaded
         self.model = loaded.model
         self.prefill_model = prefill_model
+        self.copies = copies
         self.config = config or DraftConfig()
         self.tokenizer_fingerprint = loaded.fingerprint
         self._cache_kwarg = kvcache.cache_kwarg(self.model)
@@ -294,7 +319,8 @@ class ModelProposer:
             """Next-token logits of each node ([F, V]); one draft forward for the non-root ones."""
             rows = {-1: root_logits} if -1 in nodes else {}
             run = [n for n in nodes if n >= 0]
-            if run:
+            if run:  # with any ancestors not in the cache yet (a copied span's parent), ancestors first
+                run = sorted({a for n in run for a in tree.path_to(n) if a not in slot} | set(run))
                 out = self._expand(session.cache, committed, TokenTree(tuple(tree.token_ids), tuple(tree.parents)),
                                    slot, run)  # [F, V]
                 rows.update(zip(run, out))
@@ -304,11 +330,24 @@ class ModelProposer:
             for node in [n for n in slot if n >= num_verified]:
                 del slot[node]  # their cache rows stay (masked out) until the compaction in _keep_path
 
-        round_ = GrowthRound(forward, forget)
+        round_ = GrowthRound(forward, forget, lookup=self._lookup(session, token_ids) if self.copies else None)
         try:
             yield from round_.run(seed, max_nodes, growth_policy(self.config), control, provisional_max)
         finally:
             self._keep_path(session, token_ids, round_.tree, slot, round_.leaf)
+
+    def _lookup(self, session: _ModelSession, token_ids: list[int]):
+        """The round's prompt lookup: the index brought to the committed tokens, queried with a drafted path."""
+        index = session.index
+        if index is None or index.tokens != token_ids[: len(index.tokens)]:
+            index = session.index = NgramIndex(max(self.config.lookup_min_ngram, 1), self.config.ngram_max)
+        index.extend(token_ids[len(index.tokens):])
+
+        def lookup(path_tokens: list[int]) -> list[int]:
+            paths = index.continuations(LOOKUP_MAX, 1, list(token_ids) + path_tokens)
+            return paths[0] if paths else []
+
+        return lookup
 
     def _kept_provisional(self, session: _ModelSession, token_ids: list[int]) -> list[tuple[int, float]]:
         """Last round's provisional tokens that continue ``token_ids`` and whose KV (all but the last) is

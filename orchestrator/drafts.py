@@ -26,8 +26,8 @@ from specsplit.tree import TokenTree, union_trees
 
 log = logging.getLogger("orchestrator.generation")
 
-STREAMING_DRAFTERS = ("model", "half", "eagle")  # drafters that stream growing trees (DraftTree)
-DRAFT_CHOICES = ("auto", "ngram", "model", "half", "eagle", "eagle+ngram", "medusa", "medusa+ngram", "none")
+STREAMING_DRAFTERS = ("model", "half", "half+ngram", "eagle")  # drafters that stream growing trees (DraftTree)
+DRAFT_CHOICES = ("auto", "ngram", "model", "half", "half+ngram", "eagle", "eagle+ngram", "medusa", "medusa+ngram", "none")
 MEDUSA = ("medusa", "medusa+ngram")  # self-speculation in the verifier (+ngram: merged with a lookup draft's tree)
 
 
@@ -250,7 +250,8 @@ class DraftMixin:
         trigger.observe(RoundOutcome(
             num_drafted=len(branch), num_accepted=accepted,
             confidences=tuple(tree.confidence[n] for n in branch), committed=len(committed), round_ms=round_ms,
-            draft_steps=steps, draft_ms=step_ms, plain=not len(tree), pipelined_next=bool(session.ahead)))
+            draft_steps=steps, draft_ms=step_ms, plain=not len(tree), pipelined_next=bool(session.ahead),
+            verify_ms=getattr(timing, "call_ms", 0.0) or 0.0))
         wasted = len(tree) - accepted + len(provisional) - min(len(kept), len(provisional))
         return TreeRound(token_tree, draft_ms if len(tree) else None, verdict, timing, wasted, seeded)
 

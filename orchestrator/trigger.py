@@ -16,7 +16,8 @@ How α moves is the policy:
   and verify forwards are in it). So α = (rate · step_ms)^(1/γ): a slow network or verifier lowers the
   rate, and trees grow deeper. It also decides whether to draft at all: target-only rounds (no tree)
   have their own measured rate, and the round type with the higher one is used (switching only for a
-  5% better rate), the other probed once every ``probe_every`` rounds, so a draft that does not pay (a
+  5% better rate), the other probed once after ``probe_every`` rounds (the gap doubling, up to ``probe_max``,
+  while probes confirm the choice), so a draft that does not pay (a
   weak draft next to a fast verifier) costs no more than plain decoding.
 - ``FixedSize``: verify once the tree has ``size`` nodes (the comparison baseline).
 
@@ -25,6 +26,7 @@ All three are pure and driven by ``observe(RoundOutcome)``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 ALPHA_MIN = 1e-6  # α never reaches 0 (then T < α could never fire and only the node budget would)
@@ -55,6 +57,7 @@ class RoundOutcome:
     draft_ms: float  # draft forward time until the trigger, as the draft measured it
     plain: bool = False  # nothing was drafted: the target decoded alone (a decode burst: committed >= 1)
     pipelined_next: bool = False  # provisional tokens were kept: the next round may verify them at once
+    verify_ms: float = 0.0  # the verification call as the orchestrator saw it (network included)
 
 
 @dataclass
@@ -115,16 +118,30 @@ class GoodputThreshold:
     drafting: bool = True  # the kind of round preferred now
     switch_margin: float = 0.05  # the other kind must be this much faster to be preferred (estimates are noisy)
     warmup: int = 4  # drafted rounds before the first target-only probe
-    probe_every: int = 16  # rounds of the better round type between probes of the other
+    probe_every: int = 16  # rounds of the better round type between probes of the other, at first
+    probe_max: int = 64  # each probe that confirms the choice doubles the gap, up to this (a flip resets it)
+    probe_gap: int = 0  # the gap now (0: probe_every)
     since_probe: int = 0  # rounds since the last probe (or since the start)
     # Decayed share of drafted rounds whose provisional tokens were kept for the next one (pipelined verification
     # on: starts at PIPELINE_MIN_SHARE, so the first tree is verified at once and the draft goes on meanwhile).
     pipelined: float = 0.0
 
+    verify_ms: float = 0.0  # a verification call incl. network, decayed
+
     def should_verify(self, confidence: float, num_nodes: int) -> bool:
-        """T < α; or at once while drafted rounds usually keep their provisional tokens: then the draft drafts
-        the branch on during the verification anyway, at no cost, and the kept tokens are the next tree."""
-        return confidence < self.alpha or self.pipelined >= PIPELINE_MIN_SHARE
+        """T < α; but while drafted rounds usually keep their provisional tokens (pipelined: the draft drafts
+        the branch on during each verification, and the kept tokens are the next tree), once the tree has
+        ``pipeline_nodes`` nodes: the α rule prices a draft forward as if the verifier waited for it."""
+        if self.pipelined >= PIPELINE_MIN_SHARE:
+            return num_nodes >= self.pipeline_nodes()
+        return confidence < self.alpha
+
+    def pipeline_nodes(self) -> int:
+        """A pipelined tree's size: as many tokens as the draft makes during one verification (its call time
+        over a draft forward's), so that neither side waits long for the other. Before both are measured: 1."""
+        if self.verify_ms <= 0 or self.step_ms <= 0:
+            return 1
+        return max(1, math.ceil(self.verify_ms / self.step_ms))
 
     def provisional_worth(self, branch_confidence: float) -> bool:
         """Draft provisionally from the sent branch only if it is accepted whole often enough: the chance
@@ -145,7 +162,7 @@ class GoodputThreshold:
         the other one once after every ``probe_every`` rounds (target-only first probed after ``warmup``)."""
         if self.drafted[1] <= 0:
             return True  # measure drafting first
-        due = self.since_probe >= (self.warmup if self.plain[1] <= 0 else self.probe_every)
+        due = self.since_probe >= (self.warmup if self.plain[1] <= 0 else (self.probe_gap or self.probe_every))
         return self.drafting != due
 
     def observe(self, outcome: RoundOutcome) -> None:
@@ -155,7 +172,10 @@ class GoodputThreshold:
             tokens, ms = self.plain if outcome.plain else self.drafted
             kind = (self.decay * tokens + outcome.committed, self.decay * ms + outcome.round_ms)
             self.plain, self.drafted = (kind, self.drafted) if outcome.plain else (self.plain, kind)
-            self.drafting = self._prefer_drafting()
+            before, self.drafting = self.drafting, self._prefer_drafting()
+            if probed:  # a probe that confirms the choice: probe half as often; one that flips it: as at first
+                gap = self.probe_gap or self.probe_every
+                self.probe_gap = min(2 * gap, self.probe_max) if self.drafting == before else self.probe_every
         if outcome.plain:
             return
         self.pipelined = (1 - self.ema) * self.pipelined + self.ema * outcome.pipelined_next
@@ -163,6 +183,8 @@ class GoodputThreshold:
             self.rate = self._mix(self.rate, outcome.committed / outcome.round_ms)
         if outcome.draft_steps > 0 and outcome.draft_ms > 0:
             self.step_ms = self._mix(self.step_ms, outcome.draft_ms / outcome.draft_steps)
+        if outcome.verify_ms > 0:
+            self.verify_ms = self._mix(self.verify_ms, outcome.verify_ms)
         if outcome.confidences:
             fit = fit_gamma(outcome.confidences, outcome.num_accepted, self.gamma_range)
             self.gamma = (1 - self.ema) * self.gamma + self.ema * fit

@@ -30,10 +30,11 @@ DRAFT_HELP = ("drafter: auto (a --draft-model if given; else the shipped eagle o
               "lookup), ngram, model (needs "
               "--draft-model), half (the target's own weights in float16 on the draft service, see --draft-dtype: "
               "no training, agrees with the float32 target almost always at about half its cost per token on a "
-              "CPU), eagle (EAGLE-style feature drafter; --draft-artifact or the shipped one), "
+              "CPU), half+ngram (half, copying spans of the session's text by prompt lookup first: code "
+              "edits keep lookup's gains), eagle (EAGLE-style feature drafter; --draft-artifact or the shipped one), "
               "eagle+ngram (its tree merged with the n-gram lookup's), medusa (the verifier's own Medusa heads, "
               "no draft service; --medusa or the shipped ones), medusa+ngram, none (target only)")
-DRAFTS = ["auto", "ngram", "model", "half", "eagle", "eagle+ngram", "medusa", "medusa+ngram", "none"]
+DRAFTS = ["auto", "ngram", "model", "half", "half+ngram", "eagle", "eagle+ngram", "medusa", "medusa+ngram", "none"]
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -82,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="address to bind (env SPECSPLIT_LISTEN; default 127.0.0.1:50051)")
     serve.add_argument("--target-model", default=_env("SPECSPLIT_TARGET_MODEL"),
                        help="verifier: the target model; orchestrator: its tokenizer (default: SmolLM2-135M-Instruct)")
-    serve.add_argument("--draft", choices=["ngram", "model", "half", "eagle", "eagle+ngram"], default="ngram",
+    serve.add_argument("--draft", choices=["ngram", "model", "half", "half+ngram", "eagle", "eagle+ngram"], default="ngram",
                        help="draft service: which drafter (half: the --target-model at --draft-dtype; eagle: needs the target's embedding, read from "
                             "--target-model, and refuses an artifact trained for another target)")
     serve.add_argument("--draft-artifact", default=_env("SPECSPLIT_DRAFT_ARTIFACT"),
@@ -193,7 +194,7 @@ def _draft_flags(parser: argparse.ArgumentParser) -> None:
 def _draft_config(args, drafter: str):
     from specsplit.config import DraftConfig
 
-    width = args.grow_width or (1 if drafter == "half" else DraftConfig.grow_width)
+    width = args.grow_width or (1 if drafter.startswith("half") else DraftConfig.grow_width)
     return DraftConfig(max_nodes=getattr(args, "max_tree_nodes", DraftConfig.max_nodes), grow_width=width,
                        branch_threshold=args.branch_threshold, threads=args.draft_threads)
 
@@ -270,7 +271,7 @@ def generate(args) -> int:
 
             medusa = load_medusa(args.medusa, target)
         kind = "model" if args.draft == "auto" and args.draft_model else args.draft
-        if kind in ("half", "model"):  # a draft LM runs as its own service process, as on an edge box
+        if kind in ("half", "half+ngram", "model"):  # a draft LM runs as its own service process, as on an edge box
             processes, proposers = [DraftProcess(_draft_process_args(args, kind))], []
         else:
             processes = []

@@ -39,6 +39,7 @@ class DraftConfig:
     ngram_max: int = 4  # longest suffix n-gram looked up (prompt lookup's usual 3-4)
     ngram_min: int = 1  # shortest suffix n-gram that may match
     ngram_branches: int = 3  # distinct continuations offered as branches of one tree
+    lookup_min_ngram: int = 3  # a model draft that copies spans (half+ngram) copies after suffix n-grams this long
     model_top_k: int = 2  # children per expanded node in the model drafter's tree
     model_depth: int = 6  # draft forwards per tree
     # Width-adaptive trees (DraftTree): see draft_service/growth.py

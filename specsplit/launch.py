@@ -54,7 +54,7 @@ def make_proposer(kind: str, draft_model: str | None = None, device: str | None 
         return load_feature_proposer(artifact, target_model, config)
     if kind == "eagle+ngram":
         return CombinedProposer(load_feature_proposer(artifact, target_model, config), NgramProposer(config))
-    if kind == "half":
+    if kind in ("half", "half+ngram"):
         # The target's own weights at low precision: no training, and on a CPU float16 costs about half
         # of float32 per token while agreeing with the float32 target's greedy tokens almost always
         # (bench/results/drafters_half.md). Verification stays exact on the target in its own dtype.
@@ -64,14 +64,14 @@ def make_proposer(kind: str, draft_model: str | None = None, device: str | None 
             # CPUs without float16 matrix units run many-token float16 forwards slowly: prompts go through a
             # bfloat16 copy (bench numbers in ModelProposer)
             prefill = copy.deepcopy(loaded.model).to(torch.bfloat16)
-        return ModelProposer(loaded, config, name="half", prefill_model=prefill)
+        return ModelProposer(loaded, config, name=kind, prefill_model=prefill, copies=kind == "half+ngram")
     if kind == "model":
         if loaded is None:
             if not draft_model:
                 raise InvalidArgument("--draft model needs --draft-model PATH (a local Hugging Face causal LM)")
             loaded = load_model(draft_model, device, draft_dtype or dtype)
         return ModelProposer(loaded, config)
-    raise InvalidArgument(f"unknown drafter {kind!r}; choose ngram, model, half, eagle or eagle+ngram")
+    raise InvalidArgument(f"unknown drafter {kind!r}; choose ngram, model, half, half+ngram, eagle or eagle+ngram")
 
 
 def start_draft(proposer, address: str = "127.0.0.1:0", max_nodes: int = 64, model_name: str = "",
@@ -218,11 +218,11 @@ def default_proposers(draft: str, draft_model: str | None, device: str | None, d
         return [make_proposer("ngram", config=config)]
     if draft in ("eagle", "eagle+ngram"):
         return [make_proposer(draft, config=config, artifact=artifact, target_model=target_model)]
-    if draft == "half":
-        return [make_proposer("half", device=device, config=config, target_model=target_model, draft_dtype=draft_dtype)]
+    if draft in ("half", "half+ngram"):
+        return [make_proposer(draft, device=device, config=config, target_model=target_model, draft_dtype=draft_dtype)]
     if draft in ("model", "auto"):
         return [make_proposer("model", draft_model, device, dtype, config, draft_dtype=draft_dtype)]
-    raise InvalidArgument(f"unknown --draft {draft!r}; choose auto, ngram, model, half, eagle, eagle+ngram, medusa, "
+    raise InvalidArgument(f"unknown --draft {draft!r}; choose auto, ngram, model, half, half+ngram, eagle, eagle+ngram, medusa, "
                           "medusa+ngram or none")
 
 

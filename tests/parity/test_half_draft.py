@@ -35,25 +35,27 @@ def target():
     return tiny_loaded(seed=0, layers=2)
 
 
-def run(stack, prompt_ids, max_new_tokens):
+def run(stack, prompt_ids, max_new_tokens, draft="half"):
     chunks = list(Client(stack.address).generate(prompt_token_ids=prompt_ids, max_new_tokens=max_new_tokens,
-                                                 draft="half"))
+                                                 draft=draft))
     return [t for c in chunks for t in c.token_ids], [c.stats for c in chunks if c.stats is not None]
 
 
-@pytest.mark.parametrize("trigger", ["goodput", "edgellm", "fixed"])
-def test_half_draft_is_lossless(target, target_dir, trigger):
-    proposer = make_proposer("half", device="cpu", target_model=str(target_dir),
+@pytest.mark.parametrize("trigger,drafter", [("goodput", "half"), ("edgellm", "half"), ("fixed", "half"),
+                                             ("goodput", "half+ngram"), ("fixed", "half+ngram")])
+def test_half_draft_is_lossless(target, target_dir, trigger, drafter):
+    proposer = make_proposer(drafter, device="cpu", target_model=str(target_dir),
                              config=DraftConfig(grow_width=1, threads=1))
-    assert proposer.name == "half" and proposer.model.dtype == torch.float16
+    assert proposer.name == drafter and proposer.model.dtype == torch.float16
+    assert proposer.copies == (drafter == "half+ngram")
     config = OrchestratorConfig(trigger=trigger, fixed_tree_nodes=4, tree_max_nodes=16, share_estimates=False)
     with start_stack(target, [proposer], orchestrator_config=config) as stack:
         whole = drafted = 0
         for prompt in PROMPTS:
-            tokens, stats = run(stack, prompt, 40)
+            tokens, stats = run(stack, prompt, 40, drafter)
             assert tokens == hf_greedy(target.model, prompt, 40)
             rounds = [s for s in stats if s.num_draft_tokens]
-            assert rounds and all(s.drafter == "half" for s in rounds)
+            assert rounds and all(s.drafter == drafter for s in rounds)
             drafted += len(rounds)
             whole += sum(s.num_accepted == s.tree_depth for s in rounds)
         assert whole >= 0.7 * drafted  # float16 almost always picks the float32 target's greedy token

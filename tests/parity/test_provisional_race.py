@@ -140,3 +140,23 @@ def test_seeds_past_the_verified_prefix_are_the_first_provisional_tokens(model):
     assert tokens_of(provisional) == greedy[7:10]
     assert len(calls) == 2  # forwards only for the two tokens after the seeds
     assert proposer._sessions["s"].path_tokens == greedy[5:10]
+
+
+def test_copied_span_is_sent_at_once_then_the_model_drafts_on(model):
+    """half+ngram: provisional drafting takes a prompt-lookup span first (one step, no forward before it is
+    sent), then runs one forward over the span and drafts on from its end with the right KV behind it."""
+    greedy = hf_greedy(model.model, PROMPT, 24)
+    proposer = ModelProposer(model, DraftConfig(branch_threshold=1.0), copies=True)
+    proposer.start("s", PROMPT)
+    # a lookup that finds the target's own next 5 tokens after the 2 verified nodes, and nothing elsewhere
+    proposer._lookup = lambda session, token_ids: (lambda path: greedy[2:7] if path == greedy[:2] else [])
+    control = GrowthControl()
+    steps = []
+    for step in proposer.grow("s", PROMPT, 2, control, provisional_max=9):
+        steps.append(step)
+        if step.done:
+            control.verify(2)
+    provisional = [s for s in steps if s.provisional]
+    assert [len(s.token_ids) for s in provisional] == [5, 1, 1, 1, 1]
+    assert tokens_of(provisional) == greedy[2:11]  # the model continues HF greedy after the copied span
+    assert proposer._sessions["s"].path_tokens == greedy[:11]

@@ -15,6 +15,14 @@ def test_most_recent_match_first_and_distinct_branches():
     assert index.continuations(max_len=2, max_branches=3) == [[3, 4], [1, 2]]
 
 
+def test_lookup_for_a_context_past_the_indexed_tokens():
+    index = NgramIndex(3, 4)  # only suffixes of 3-4 tokens may match (what half+ngram copies after)
+    index.extend([5, 6, 7, 8, 9, 10, 11])
+    assert index.continuations(4, 1, context=[1, 5, 6, 7]) == [[8, 9, 10, 11]]  # drafted [5, 6, 7] matched
+    assert index.continuations(4, 1, context=[1, 2, 6, 7]) == []  # [6, 7]: too short a match
+    assert index.tokens == [5, 6, 7, 8, 9, 10, 11]  # the context is not indexed
+
+
 def test_no_match_gives_empty_tree():
     proposer = NgramProposer(DraftConfig())
     proposer.start("s", [1, 2, 3])

@@ -98,6 +98,18 @@ def test_goodput_verifies_at_once_while_provisional_tokens_are_kept():
     assert not make_trigger("goodput", pipeline=False).should_verify(0.99, 1)  # no pipelining: α from the start
 
 
+def test_goodput_pipelined_trees_hold_what_the_draft_makes_during_one_verification():
+    t = make_trigger("goodput", pipeline=True)
+    assert t.pipeline_nodes() == 1  # nothing measured yet
+    for _ in range(10):  # verification calls of 90 ms, draft forwards of 18 ms: 5 tokens a verification
+        t.observe(RoundOutcome(5, 5, (0.5,) * 5, 6, 100.0, 5, 90.0, pipelined_next=True, verify_ms=90.0))
+    assert t.pipeline_nodes() == 5
+    assert not t.should_verify(0.99, 4) and t.should_verify(0.99, 5)
+    for _ in range(10):  # a farther verifier (the network's round trip in the call): deeper pipelined trees
+        t.observe(RoundOutcome(5, 5, (0.5,) * 5, 6, 100.0, 5, 90.0, pipelined_next=True, verify_ms=190.0))
+    assert t.pipeline_nodes() == 11
+
+
 def test_make_trigger():
     assert isinstance(make_trigger("edgellm"), EdgeLLMThreshold)
     assert make_trigger("fixed", 12).size == 12
@@ -119,13 +131,28 @@ def test_goodput_lets_the_target_decode_alone_when_drafting_does_not_pay():
     weak = outcome(4, 0, committed=1, round_ms=60.0)  # 0.017 tokens/ms: drafting loses
     taken = rounds_taken(GoodputThreshold(), weak, plain, 60)
     assert taken[:5] == [True, True, True, True, False]  # drafting measured first, then one target-only probe
-    assert taken[5:22] == [False] * 16 + [True]  # target alone, one drafted probe every probe_every rounds
-    assert sum(taken) == 4 + 3  # warm-up, then probes at rounds 22, 39, 56
+    assert taken[5:22] == [False] * 16 + [True]  # target alone, then a drafted probe after probe_every rounds
+    # each probe that confirms the choice doubles the gap: probes at rounds 21, 54, 119, 184 (gap 64 at most)
+    assert [i for i, t in enumerate(rounds_taken(GoodputThreshold(), weak, plain, 200)) if t][4:] == [21, 54, 119, 184]
 
     good = outcome(4, 3, committed=4, round_ms=80.0)  # 0.05 tokens/ms: drafting wins
     taken = rounds_taken(GoodputThreshold(), good, plain, 60)
     assert taken[:5] == [True, True, True, True, False]
-    assert taken[5:22] == [True] * 16 + [False] and len(taken) - sum(taken) == 4  # rounds 5, 22, 39, 56
+    # the warm-up probe confirms drafting: the next probe comes 32 rounds later
+    assert [i for i, t in enumerate(taken) if not t] == [4, 37]
+
+
+def test_goodput_probes_as_at_first_once_a_probe_flips_the_choice():
+    t = GoodputThreshold()
+    plain = RoundOutcome(0, 0, (), 1, 40.0, 0, 0.0, plain=True)
+    for drafted in [outcome(4, 3, committed=4, round_ms=80.0)] * 21:  # drafting wins; probes at 4 and 21
+        t.observe(drafted if t.wants_draft() else plain)
+    assert t.probe_gap == 32
+    t.drafted = (1.0, 100.0)  # the draft got much slower meanwhile: the next plain probe flips the choice
+    t.since_probe = t.probe_gap
+    assert not t.wants_draft()
+    t.observe(plain)
+    assert not t.drafting and t.probe_gap == t.probe_every
 
 
 def test_edgellm_and_fixed_always_draft():
@@ -142,4 +169,4 @@ def test_goodput_compares_tokens_over_time_not_single_rounds():
         taken.append(t.wants_draft())
         drafted = sum(taken)
         t.observe((outcome(3, 0, committed=1) if drafted % 2 else outcome(3, 2, committed=3)) if taken[-1] else plain)
-    assert len(taken) - sum(taken) == 5  # only the probes: rounds 4, 21, 38, 55, 72
+    assert [i for i, t in enumerate(taken) if not t] == [4, 37]  # only the probes, the gap doubling
