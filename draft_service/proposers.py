@@ -199,7 +199,7 @@ class _ModelSession:
     index: NgramIndex | None = None  # prompt lookup over the committed tokens (a draft that copies spans)
 
 
-PREFILL_MIN_TOKENS = 4  # catch-ups of this many tokens or more go through ModelProposer.prefill_model
+PREFILL_MIN_TOKENS = 4  # forwards of this many tokens or more (prompts, copied spans) go through prefill_model
 LOOKUP_PROB = 0.9  # the draft probability a copied (prompt lookup) token is sent with
 LOOKUP_MAX = 16  # longest span copied at once
 
@@ -391,12 +391,7 @@ class ModelProposer:
         device = self.model.device
         ids = torch.tensor([token_ids[common:]], dtype=torch.long, device=device)  # [1, U]
         positions = torch.arange(common, len(token_ids), device=device).unsqueeze(0)  # [1, U]
-        if self.prefill_model is not None and ids.shape[1] >= PREFILL_MIN_TOKENS:
-            kvcache.cast(session.cache, self.prefill_model.dtype)
-            logits = self._forward(ids, positions, None, session.cache, logits_to_keep=1, model=self.prefill_model)
-            kvcache.cast(session.cache, self.model.dtype)
-        else:
-            logits = self._forward(ids, positions, None, session.cache, logits_to_keep=1)  # [1, V]
+        logits = self._forward_many(ids, positions, None, session.cache, logits_to_keep=1)  # [1, V]
         session.cached = list(token_ids)
         return logits
 
@@ -442,12 +437,26 @@ class ModelProposer:
         for row, node in enumerate(frontier):
             for ancestor in tree.path_to(node):
                 allowed[row, committed + slot[ancestor]] = True
-        neg = torch.finfo(self.model.dtype).min
-        zero = torch.zeros((), dtype=self.model.dtype)
-        mask = torch.where(allowed, zero, neg).to(device)[None, None]  # [1, 1, F, C+T]
         ids = torch.tensor([[tree.token_ids[n] for n in frontier]], dtype=torch.long, device=device)  # [1, F]
         positions = torch.tensor([[committed - 1 + tree.depths[n] for n in frontier]], device=device)  # [1, F]
-        return self._forward(ids, positions, mask, cache)  # [F, V] logits
+        return self._forward_many(ids, positions, allowed.to(device), cache)  # [F, V] logits
+
+    def _forward_many(self, ids, positions, allowed, cache, logits_to_keep: int = 0) -> torch.Tensor:
+        """A forward over the draft's cache; ``PREFILL_MIN_TOKENS`` or more tokens (a prompt, a copied span) go
+        through ``prefill_model`` when there is one, the cache cast to its dtype and back.
+        allowed: [Q, C+Q] which cached/new positions each new token may attend to (None: causal)."""
+        model = self.prefill_model if self.prefill_model is not None and ids.shape[1] >= PREFILL_MIN_TOKENS else self.model
+        mask = None
+        if allowed is not None:
+            zero, neg = torch.zeros((), dtype=model.dtype), torch.finfo(model.dtype).min
+            mask = torch.where(allowed, zero.to(allowed.device), neg)[None, None]  # [1, 1, Q, C+Q]
+        if model is self.model:
+            return self._forward(ids, positions, mask, cache, logits_to_keep)
+        kvcache.cast(cache, model.dtype)
+        try:
+            return self._forward(ids, positions, mask, cache, logits_to_keep, model=model)
+        finally:
+            kvcache.cast(cache, self.model.dtype)
 
 
 class CombinedProposer:

@@ -33,7 +33,9 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 from specsplit.errors import FailedPrecondition, InvalidArgument
 
 ARTIFACTS_DIR = pathlib.Path(__file__).parent / "artifacts"  # the artifacts shipped with specsplit
-KINDS = ("eagle", "medusa", "draft_lm")
+# half: no weights of its own (the target itself at float16); its manifest records what was measured with which
+# target, for --draft auto
+KINDS = ("eagle", "medusa", "draft_lm", "half")
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 

@@ -229,15 +229,16 @@ def default_proposers(draft: str, draft_model: str | None, device: str | None, d
 def auto_draft(target: LoadedModel) -> str:
     """--draft auto without a draft model: the best measured way to draft for this target.
 
-    A shipped artifact (eagle or medusa) trained for the target is chosen, merged with n-gram lookup
-    (which keeps the long copied spans of code edits), only when its manifest says that, measured side by
-    side in bench/drafters.py, ``<kind>+ngram`` beat n-gram lookup alone (``measured.speedup_vs_ngram`` >
-    1, the geometric mean over the bench prompts); the higher one wins. Otherwise plain n-gram lookup.
+    A shipped artifact (eagle or medusa, or the manifest of a half draft measured for the target) is chosen,
+    merged with n-gram lookup (which keeps the long copied spans of code edits), only when its manifest says
+    that, measured side by side in bench/drafters.py, ``<kind>+ngram`` beat n-gram lookup alone
+    (``measured.speedup_vs_ngram`` > 1, the geometric mean over the bench prompts); the higher one wins.
+    Otherwise plain n-gram lookup.
     """
     from specsplit.heads import read_manifest
 
     best, best_speedup = "ngram", 1.0
-    for kind in ("eagle", "medusa"):
+    for kind in ("eagle", "medusa", "half"):
         path = shipped_artifact(kind, target)
         speedup = float(read_manifest(path).measured.get("speedup_vs_ngram", 0.0)) if path is not None else 0.0
         if speedup > best_speedup:

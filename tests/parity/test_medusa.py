@@ -132,3 +132,7 @@ def test_auto_picks_a_shipped_artifact_only_when_it_measured_faster_than_ngram(t
     save_artifact(tmp_path / "e", drafter, Manifest("eagle", "e", identity, target.fingerprint,
                                                     drafter.manifest_config(), measured={"speedup_vs_ngram": 1.2}))
     assert auto_draft(target) == "eagle+ngram"
+    (tmp_path / "h").mkdir()  # a half draft has no weights: its manifest records what was measured
+    (tmp_path / "h" / "manifest.json").write_text(Manifest("half", "h", identity, target.fingerprint,
+                                                           measured={"speedup_vs_ngram": 1.3}).to_json())
+    assert auto_draft(target) == "half+ngram"
