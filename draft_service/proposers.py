@@ -156,29 +156,27 @@ class GrowthRound:
             yield GrowthStep(node, (tree.token_ids[node],), (tree.parents[node],), (tree.draft_probs[node],),
                              provisional=True)
         start = time.perf_counter()
-        drafted, looked_up = len(ahead), set()
+        drafted = len(ahead)
         while drafted < provisional_max and leaf >= 0 and not control.closed:
-            copied = self._copy(leaf, provisional_max - drafted) if leaf not in looked_up else []
-            looked_up.add(leaf)
-            if copied:  # a copied span: sent at once, then one forward over all of it before drafting on
-                first = len(tree)
-                for token in copied:
-                    leaf = self.leaf = tree.add(leaf, token, LOOKUP_PROB)
-                drafted += len(copied)
-                yield GrowthStep(first, tuple(copied), tuple(tree.parents[first:]), (LOOKUP_PROB,) * len(copied),
-                                 provisional=True)
-                self._logits(list(range(first, len(tree))))
-                start = time.perf_counter()
-                continue
             row = self._last_rows[leaf] if leaf in self._last_rows else self._logits([leaf])[0]  # [V']
             prob, index = row.softmax(dim=-1).max(dim=-1)
-            leaf = self.leaf = tree.add(leaf, self._token(int(index)), float(prob))
-            drafted += 1
-            yield GrowthStep(leaf, (tree.token_ids[leaf],), (tree.parents[leaf],), (float(prob),), provisional=True,
-                             draft_ms=(time.perf_counter() - start) * 1e3)
+            token = self._token(int(index))
+            # A copied span (prompt lookup) whose first token the model drafts too: sent at once, then one
+            # forward over all of it before drafting on. The model's agreement screens out chance matches.
+            copied = self._copy(leaf, provisional_max - drafted)
+            copied = copied if len(copied) > 1 and copied[0] == token else [token]
+            first = len(tree)
+            for i, t in enumerate(copied):
+                leaf = self.leaf = tree.add(leaf, t, float(prob) if i == 0 else LOOKUP_PROB)
+            drafted += len(copied)
+            yield GrowthStep(first, tuple(copied), tuple(tree.parents[first:]), tuple(tree.draft_probs[first:]),
+                             provisional=True, draft_ms=(time.perf_counter() - start) * 1e3)
+            if len(copied) > 1:
+                self._logits(list(range(first, len(tree))))
             start = time.perf_counter()
 
     def _copy(self, leaf: int, limit: int) -> list[int]:
+        """The lookup's continuation after ``leaf`` ([] without a lookup), at most ``limit`` tokens."""
         if self.lookup is None:
             return []
         return self.lookup([self.tree.token_ids[n] for n in self.tree.path_to(leaf)])[:limit]

@@ -143,8 +143,9 @@ def test_seeds_past_the_verified_prefix_are_the_first_provisional_tokens(model):
 
 
 def test_copied_span_is_sent_at_once_then_the_model_drafts_on(model):
-    """half+ngram: provisional drafting takes a prompt-lookup span first (one step, no forward before it is
-    sent), then runs one forward over the span and drafts on from its end with the right KV behind it."""
+    """half+ngram: a prompt-lookup span whose first token the model drafts too is sent in one step, then one
+    forward runs over the span and drafting goes on from its end with the right KV behind it; a span the
+    model disagrees with is not copied."""
     greedy = hf_greedy(model.model, PROMPT, 24)
     proposer = ModelProposer(model, DraftConfig(branch_threshold=1.0), copies=True)
     proposer.start("s", PROMPT)
@@ -160,3 +161,15 @@ def test_copied_span_is_sent_at_once_then_the_model_drafts_on(model):
     assert [len(s.token_ids) for s in provisional] == [5, 1, 1, 1, 1]
     assert tokens_of(provisional) == greedy[2:11]  # the model continues HF greedy after the copied span
     assert proposer._sessions["s"].path_tokens == greedy[:11]
+
+    wrong = [(greedy[2] + 1) % 300, *greedy[3:7]]  # a chance match: its first token is not the model's
+    proposer.start("w", PROMPT)
+    proposer._lookup = lambda session, token_ids: (lambda path: wrong if path == greedy[:2] else [])
+    control = GrowthControl()
+    steps = []
+    for step in proposer.grow("w", PROMPT, 2, control, provisional_max=4):
+        steps.append(step)
+        if step.done:
+            control.verify(2)
+    provisional = [s for s in steps if s.provisional]
+    assert [len(s.token_ids) for s in provisional] == [1, 1, 1, 1] and tokens_of(provisional) == greedy[2:6]
