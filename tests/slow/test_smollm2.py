@@ -57,3 +57,22 @@ def test_draft_equals_target_on_smollm2(target):
     assert tokens == hf_greedy(target.model, chunks[0].prompt_token_ids, 24)
     full_rounds = [c.stats for c in chunks[:-1] if c.stats and c.stats.num_draft_tokens]
     assert full_rounds and all(s.num_accepted == s.tree_depth for s in full_rounds)
+
+
+@pytest.mark.parametrize("drafter,kind", [("half", "chat"), ("half+ngram", "code_rename")])
+def test_half_draft_in_its_own_process_matches_hf_greedy(target, drafter, kind):
+    """The target in float16 as the draft, in a `specsplit serve draft` child (as the embedded CLI runs it)."""
+    from specsplit.launch import DraftProcess
+
+    process = DraftProcess(["--draft", drafter, "--threads", "1"])
+    with start_stack(target, [], processes=[process]) as stack:
+        chunks = list(Client(stack.address).generate(PROMPTS[kind], max_new_tokens=48, draft=drafter))
+    assert process.proc.poll() is not None  # the stack stopped its draft process
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert tokens == hf_greedy(target.model, chunks[0].prompt_token_ids, 48)
+    drafted = [c.stats for c in chunks if c.stats and c.stats.num_draft_tokens]
+    assert drafted
+    if drafter == "half":  # float16 almost always drafts the float32 target's greedy token
+        assert sum(s.num_accepted for s in drafted) >= 0.8 * sum(s.num_draft_tokens for s in drafted)
+    else:  # a rename copies long spans of the prompt
+        assert max(s.tree_depth for s in drafted) >= 8
