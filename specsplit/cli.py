@@ -179,9 +179,9 @@ def _draft_flags(parser: argparse.ArgumentParser) -> None:
                        help="the draft model's dtype (--draft model or half): default float16 for half, --dtype for "
                             "model. Any dtype keeps the output exact: the target verifies in --dtype")
     group.add_argument("--draft-threads", type=int, default=int(_env("SPECSPLIT_DRAFT_THREADS", "0")),
-                       help="torch CPU threads of the draft's forwards (default 0: as --threads). On a small CPU, "
-                            "1 for the draft leaves the other cores to the verifier (the embedded generate runs a "
-                            "half or model draft in its own process with this many threads)")
+                       help="torch CPU threads of the draft's forwards (default 0: as --threads; 1 for the draft "
+                            "process the embedded generate starts for a half or model draft, leaving the other "
+                            "cores to the verifier)")
     group.add_argument("--grow-width", type=int, default=None,
                        help=f"frontier nodes expanded per draft forward (default {DraftConfig.grow_width}; 1 for half, "
                             "whose greedy chain is almost always right; 1 = one branch: cheapest per forward on a CPU "
@@ -202,7 +202,7 @@ def _draft_config(args, drafter: str):
 def _draft_process_args(args, kind: str) -> list[str]:
     """``specsplit serve draft`` flags for the embedded stack's draft process (--draft half or model)."""
     out = ["--draft", kind, "--device", args.device, "--dtype", args.dtype,
-           "--threads", str(args.draft_threads or args.threads), "--branch-threshold", str(args.branch_threshold)]
+           "--threads", str(args.draft_threads or 1), "--branch-threshold", str(args.branch_threshold)]
     for flag, value in (("--target-model", args.target_model), ("--draft-model", args.draft_model),
                         ("--draft-dtype", args.draft_dtype), ("--grow-width", args.grow_width)):
         if value:
