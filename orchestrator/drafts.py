@@ -191,6 +191,7 @@ class DraftMixin:
                         parent = tree.add(parent, token, prob)
                     if trigger.should_verify(tree.confidence[parent], len(tree)):
                         seeded = len(tree)  # pipelined: the draft seeds these same tokens and goes on from them
+                        trace.get_current_span().set_attribute("specsplit.pipelined", True)
                     else:
                         ahead, tree = [], GrowingTree()  # the draft's stream brings them, and grows on
                 # The first step may wait for the previous round's last forward and catch up on many tokens.

@@ -66,17 +66,34 @@ def test_unrelated_draft(target, trigger):
             assert sum(s.num_draft_tokens for s in stats) > 0
 
 
+@pytest.mark.parametrize("trigger", ["goodput", "fixed"])
 @pytest.mark.parametrize("pipeline", [True, False])
-def test_pipelined_verification(target, pipeline):
-    """Kept provisional tokens verified at once as the next tree (pipeline) or seeding a tree the draft grows on."""
+def test_pipelined_verification(target, trigger, pipeline):
+    """Kept provisional tokens verified at once as the next tree (pipeline) or seeding a tree the draft grows on.
+    Rounds verified at once carry the span attribute specsplit.pipelined."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):  # run alone: nobody set the SDK provider yet
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
     same = tiny_loaded(seed=0, layers=2)
-    config = OrchestratorConfig(trigger="goodput", provisional_max=8, pipeline=pipeline, share_estimates=False)
+    # fixed-1: any kept provisional token is a tree big enough to verify at once
+    config = OrchestratorConfig(trigger=trigger, fixed_tree_nodes=1, provisional_max=8, pipeline=pipeline,
+                                share_estimates=False)
     with start_stack(target, [ModelProposer(same, DraftConfig(grow_width=1))], orchestrator_config=config) as stack:
-        at_once = 0
         for prompt in PROMPTS:
-            tokens, stats = run(stack, prompt, 48)
+            tokens, _ = run(stack, prompt, 48)
             assert tokens == hf_greedy(target.model, prompt, 48)
-            # a pipelined round's tree is exactly last round's kept provisional tokens, and all of it is accepted
-            at_once += sum(0 < s.num_draft_tokens == s.provisional_kept == s.num_accepted for s in stats)
-        if pipeline:
-            assert at_once > 0
+    rounds = [s for s in exporter.get_finished_spans() if s.name == "specsplit.orchestrator.round"]
+    exporter.shutdown()
+    at_once = sum(bool(s.attributes.get("specsplit.pipelined")) for s in rounds)
+    if not pipeline:
+        assert at_once == 0
+    elif trigger == "fixed":
+        assert at_once > 0

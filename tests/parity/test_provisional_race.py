@@ -142,34 +142,31 @@ def test_seeds_past_the_verified_prefix_are_the_first_provisional_tokens(model):
     assert proposer._sessions["s"].path_tokens == greedy[5:10]
 
 
+def copied_round(proposer, session_id, span, after, provisional_max):
+    """A round of 2 verified nodes whose lookup finds ``span`` after the path ``after`` (nothing elsewhere):
+    its provisional steps."""
+    proposer.start(session_id, PROMPT)
+    proposer._lookup = lambda session, token_ids: (lambda path: span if path == after else [])
+    control = GrowthControl()
+    steps = []
+    for step in proposer.grow(session_id, PROMPT, 2, control, provisional_max=provisional_max):
+        steps.append(step)
+        if step.done:
+            control.verify(2)
+    return [s for s in steps if s.provisional]
+
+
 def test_copied_span_is_sent_at_once_then_the_model_drafts_on(model):
     """half+ngram: a prompt-lookup span whose first token the model drafts too is sent in one step, then one
     forward runs over the span and drafting goes on from its end with the right KV behind it; a span the
     model disagrees with is not copied."""
     greedy = hf_greedy(model.model, PROMPT, 24)
     proposer = ModelProposer(model, DraftConfig(branch_threshold=1.0), copies=True)
-    proposer.start("s", PROMPT)
-    # a lookup that finds the target's own next 5 tokens after the 2 verified nodes, and nothing elsewhere
-    proposer._lookup = lambda session, token_ids: (lambda path: greedy[2:7] if path == greedy[:2] else [])
-    control = GrowthControl()
-    steps = []
-    for step in proposer.grow("s", PROMPT, 2, control, provisional_max=9):
-        steps.append(step)
-        if step.done:
-            control.verify(2)
-    provisional = [s for s in steps if s.provisional]
+    provisional = copied_round(proposer, "s", greedy[2:7], greedy[:2], 9)  # the target's own next 5 tokens
     assert [len(s.token_ids) for s in provisional] == [5, 1, 1, 1, 1]
     assert tokens_of(provisional) == greedy[2:11]  # the model continues HF greedy after the copied span
     assert proposer._sessions["s"].path_tokens == greedy[:11]
 
     wrong = [(greedy[2] + 1) % 300, *greedy[3:7]]  # a chance match: its first token is not the model's
-    proposer.start("w", PROMPT)
-    proposer._lookup = lambda session, token_ids: (lambda path: wrong if path == greedy[:2] else [])
-    control = GrowthControl()
-    steps = []
-    for step in proposer.grow("w", PROMPT, 2, control, provisional_max=4):
-        steps.append(step)
-        if step.done:
-            control.verify(2)
-    provisional = [s for s in steps if s.provisional]
+    provisional = copied_round(proposer, "w", wrong, greedy[:2], 4)
     assert [len(s.token_ids) for s in provisional] == [1, 1, 1, 1] and tokens_of(provisional) == greedy[2:6]
