@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft_service.proposers import GrowthControl, GrowthRound, draft_sampling, grow_top_tree, growth_policy
+from draft_service.rounds import GrowthControl, GrowthRound, draft_sampling, grow_top_tree, growth_policy
 from specsplit.config import DraftConfig
 from specsplit.errors import InvalidArgument
 from specsplit.features import Features

@@ -6,7 +6,6 @@ it likes (an n-gram index, a KV cache); the draft servicer only routes calls.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -15,7 +14,8 @@ from typing import Protocol
 import torch
 
 from draft_service.ngram import NgramIndex, NgramProposer
-from specsplit.growth import GrowingTree, GrowthPolicy, GrowthStep, best_leaf, grow_tree
+from draft_service.rounds import GrowthControl, GrowthRound, draft_sampling, grow_top_tree, growth_policy
+from specsplit.growth import GrowingTree, GrowthStep
 from specsplit.provisional import reconcile_provisional
 
 from specsplit import kvcache
@@ -37,151 +37,6 @@ class Proposer(Protocol):
     def end(self, session_id: str) -> None: ...
 
 
-def draft_sampling(sampling: SamplingParams | None, q_top_k: int) -> tuple[SamplingParams, torch.Generator | None]:
-    """How a model draft samples for a session: the target's parameters with q truncated to ``q_top_k`` ids,
-    and its own generator (seeded from the session's seed when there is one); greedy: no generator."""
-    sampling = sampling or SamplingParams()
-    if sampling.greedy:
-        return sampling, None
-    generator = torch.Generator()
-    generator.manual_seed(sampling.seed + 1) if sampling.seed is not None else generator.seed()
-    top_k = min(sampling.top_k or q_top_k, q_top_k)
-    return SamplingParams(sampling.temperature, top_k, sampling.top_p, sampling.seed), generator
-
-
-def grow_top_tree(logits: torch.Tensor, children, expand, max_nodes: int, depth: int, top_k: int,
-                  sampled: bool) -> TokenTree:
-    """A draft tree grown depth by depth, one draft forward per depth for the whole frontier.
-
-    logits: [1, V] the draft's next-token scores after the root. ``children(logits, frontier, cum)`` gives
-    the frontier's candidate children (cum_prob, parent, token, q, dist) in order; ``expand(tree, frontier)``
-    runs the frontier nodes and returns their next-token scores [F, V]. Greedy keeps at most 2 * top_k
-    candidates per depth; the first candidate (the greedy chain's child) and the top_k - 1 most probable
-    others are expanded. Sampled candidates are kept or cut as a prefix of their draws, never by value.
-    """
-    tokens: list[int] = []
-    parents: list[int] = []
-    draft_probs: list[float] = []
-    node_q: list[SparseDist | None] = []
-    cum: list[float] = []  # [N] product of draft probs along each node's path
-    frontier = [-1]  # nodes whose children come from the rows of `logits`
-    for level in range(1, depth + 1):
-        budget = max_nodes - len(tokens)
-        candidates = children(logits, frontier, cum)[: budget if sampled else min(2 * top_k, budget)]
-        if not candidates:
-            break
-        new_nodes = []
-        for c, parent, token, q, dist in candidates:
-            new_nodes.append(len(tokens))
-            tokens.append(token)
-            parents.append(parent)
-            draft_probs.append(q)
-            node_q.append(dist)
-            cum.append(c)
-        if len(tokens) >= max_nodes or level == depth:
-            break
-        frontier = [new_nodes[0], *sorted(new_nodes[1:], key=lambda n: -cum[n])[: top_k - 1]]
-        logits = expand(TokenTree(tuple(tokens), tuple(parents)), frontier)  # [F, V]
-    return TokenTree(tuple(tokens), tuple(parents), tuple(draft_probs), tuple(node_q) if sampled else ())
-
-
-def growth_policy(config: DraftConfig) -> GrowthPolicy:
-    return GrowthPolicy(config.branch_threshold, config.grow_width, config.grow_min_relative, config.grow_max_depth)
-
-
-class GrowthRound:
-    """One streamed DraftTree round of a draft model, whatever the model: grow, then draft provisionally.
-
-    ``forward(tree, nodes)`` is one draft forward: next-token logits [F, V'] of each node (-1 = the root)
-    over ``vocab_ids`` (the draft's vocabulary as target ids; None: the same ids). ``forget(n)``: nodes
-    from index n on were not sent for verification; their draft rows must not be attended to again.
-    After ``run``, ``tree`` holds the round's nodes and ``leaf`` the end of the provisional path (-1: none).
-    """
-
-    def __init__(self, forward, forget, vocab_ids: torch.Tensor | None = None, lookup=None):
-        """lookup(path_tokens) -> list[int]: a continuation copied from the session's text (prompt lookup) for
-        the committed tokens + ``path_tokens``, or []; provisional drafting takes it before drafting on."""
-        self.forward, self.forget, self.vocab_ids, self.lookup = forward, forget, vocab_ids, lookup
-        self.tree = GrowingTree()
-        self.leaf = -1
-        self._last_rows: dict[int, torch.Tensor] = {}  # node -> next-token logits [V'], from the latest forward
-
-    def _logits(self, nodes: list[int]) -> torch.Tensor:
-        logits = self.forward(self.tree, nodes)  # [F, V']
-        self._last_rows = dict(zip(nodes, logits))
-        return logits
-
-    def _token(self, index: int) -> int:
-        return index if self.vocab_ids is None else int(self.vocab_ids[index])
-
-    def _expand(self, nodes: list[int]) -> list[list[tuple[int, float]]]:
-        probs = self._logits(nodes).softmax(dim=-1)  # [F, V']
-        values, indices = probs.topk(min(3, probs.shape[-1]), dim=-1)  # [F, 3]: at most 3 can be above 0.3
-        return [[(self._token(i), v) for i, v in zip(indices[r].tolist(), values[r].tolist())]
-                for r in range(len(nodes))]
-
-    def run(self, seed: list[tuple[int, float]], max_nodes: int, policy: GrowthPolicy, control: "GrowthControl",
-            provisional_max: int) -> Iterator[GrowthStep]:
-        """Each yielded step is one draft forward over the whole frontier. ``seed``: last round's kept
-        provisional (token, prob) path, whose rows but the last the caller has cached in order. Once the
-        orchestrator says how many nodes it sent for verification, growth stops and up to
-        ``provisional_max`` tokens follow the best verified branch's leaf, one forward each, until closed."""
-        tree = self.tree
-        start = time.perf_counter()
-        for token, prob in seed:
-            tree.add(len(tree) - 1, token, prob)
-        if seed:
-            yield GrowthStep(0, tuple(tree.token_ids), tuple(tree.parents), tuple(tree.draft_probs),
-                             seeded=len(seed), draft_ms=(time.perf_counter() - start) * 1e3)
-        finished = True
-        for step in grow_tree(self._expand, max_nodes, policy, tree=tree, frontier=[len(seed) - 1]):
-            if control.verifying is not None or control.closed:
-                finished = False  # the verifier already has fewer nodes than this forward made
-                break
-            yield GrowthStep(step.first, step.token_ids, step.parents, step.draft_probs,
-                             draft_ms=(time.perf_counter() - start) * 1e3)
-            start = time.perf_counter()  # not counting the time the consumer held us at the yield
-        if finished:
-            yield GrowthStep(len(tree), (), (), (), done=True)
-        control.wait()
-        num_verified = control.verifying if control.verifying is not None else 0
-        # Seeded nodes past the verified ones continue the verified chain's end (the orchestrator sent a prefix
-        # of the seeds, e.g. a pipelined round): they are this round's first provisional tokens, already drafted.
-        ahead = list(range(num_verified, len(seed))) if 0 < num_verified < len(seed) else []  # [A] node ids
-        tree.truncate(num_verified + len(ahead))
-        self.forget(num_verified + len(ahead))
-        leaf = self.leaf = best_leaf(tree, num_verified)
-        for node in ahead if provisional_max and not control.closed else []:
-            leaf = self.leaf = node
-            yield GrowthStep(node, (tree.token_ids[node],), (tree.parents[node],), (tree.draft_probs[node],),
-                             provisional=True)
-        start = time.perf_counter()
-        drafted = len(ahead)
-        while drafted < provisional_max and leaf >= 0 and not control.closed:
-            row = self._last_rows[leaf] if leaf in self._last_rows else self._logits([leaf])[0]  # [V']
-            prob, index = row.softmax(dim=-1).max(dim=-1)
-            token = self._token(int(index))
-            # A copied span (prompt lookup) whose first token the model drafts too: sent at once, then one
-            # forward over all of it before drafting on. The model's agreement screens out chance matches.
-            copied = self._copy(leaf, provisional_max - drafted)
-            copied = copied if len(copied) > 1 and copied[0] == token else [token]
-            first = len(tree)
-            for i, t in enumerate(copied):
-                leaf = self.leaf = tree.add(leaf, t, float(prob) if i == 0 else LOOKUP_PROB)
-            drafted += len(copied)
-            yield GrowthStep(first, tuple(copied), tuple(tree.parents[first:]), tuple(tree.draft_probs[first:]),
-                             provisional=True, draft_ms=(time.perf_counter() - start) * 1e3)
-            if len(copied) > 1:
-                self._logits(list(range(first, len(tree))))
-            start = time.perf_counter()
-
-    def _copy(self, leaf: int, limit: int) -> list[int]:
-        """The lookup's continuation after ``leaf`` ([] without a lookup), at most ``limit`` tokens."""
-        if self.lookup is None:
-            return []
-        return self.lookup([self.tree.token_ids[n] for n in self.tree.path_to(leaf)])[:limit]
-
-
 @dataclass
 class _ModelSession:
     cache: object  # the draft's KV cache: committed tokens only, between calls
@@ -198,17 +53,7 @@ class _ModelSession:
 
 
 PREFILL_MIN_TOKENS = 4  # forwards of this many tokens or more (prompts, copied spans) go through prefill_model
-LOOKUP_PROB = 0.9  # the draft probability a copied (prompt lookup) token is sent with
 LOOKUP_MAX = 16  # longest span copied at once
-
-
-class GrowthControl(Protocol):
-    """What the orchestrator has said so far in a DraftTree round (set from another thread)."""
-
-    verifying: int | None  # nodes sent for verification, once said
-    closed: bool  # the round is over
-
-    def wait(self, timeout: float | None = None) -> None: ...  # until verifying is set or closed
 
 
 class ModelProposer:

@@ -42,8 +42,6 @@ def _env(name: str, default: str | None = None) -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from specsplit.config import DraftConfig
-
     parser = argparse.ArgumentParser(prog="specsplit", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
@@ -345,7 +343,7 @@ def generate(args) -> int:
 
 def serve(args) -> int:
     from specsplit import launch
-    from specsplit.config import DraftConfig, OrchestratorConfig, VerifierConfig
+    from specsplit.config import VerifierConfig
     from specsplit.telemetry import setup_tracing
 
     setup_tracing(f"specsplit-{args.service}")

@@ -110,3 +110,20 @@ def generate_through(stack, prompt_ids: list[int], max_new_tokens: int, draft: s
     chunks = list(Client(stack.address).generate(prompt_token_ids=prompt_ids, max_new_tokens=max_new_tokens,
                                                  draft=draft, seed=0))
     return [t for c in chunks for t in c.token_ids], [c.stats for c in chunks if c.stats is not None], chunks
+
+
+def span_exporter():
+    """An in-memory exporter of this process's spans from now on (the SDK tracer provider is set if nobody
+    set one yet; OpenTelemetry allows setting it only once)."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return exporter

@@ -51,14 +51,9 @@ def test_one_trace_across_services(target):
 
 
 def test_feature_bytes_are_span_attributes(target):
-    from tiny import tiny_eagle
+    from tiny import span_exporter, tiny_eagle
 
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):  # run alone: nobody set the SDK provider yet
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
-    exporter = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    exporter = span_exporter()
     with start_stack(target, [tiny_eagle(target)]) as stack:
         chunks = list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=8))
     total = sum(c.stats.feature_bytes for c in chunks if c.stats)

@@ -12,7 +12,7 @@ from draft_service.proposers import ModelProposer
 from specsplit.client import Client
 from specsplit.config import DraftConfig, OrchestratorConfig
 from specsplit.launch import start_stack
-from tiny import hf_greedy, tiny_loaded
+from tiny import hf_greedy, span_exporter, tiny_loaded
 
 PROMPTS = [
     [258, 72, 101, 108, 108, 111],
@@ -71,17 +71,7 @@ def test_unrelated_draft(target, trigger):
 def test_pipelined_verification(target, trigger, pipeline):
     """Kept provisional tokens verified at once as the next tree (pipeline) or seeding a tree the draft grows on.
     Rounds verified at once carry the span attribute specsplit.pipelined."""
-    from opentelemetry import trace
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):  # run alone: nobody set the SDK provider yet
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
-    exporter = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    exporter = span_exporter()
     same = tiny_loaded(seed=0, layers=2)
     # fixed-1: any kept provisional token is a tree big enough to verify at once
     config = OrchestratorConfig(trigger=trigger, fixed_tree_nodes=1, provisional_max=8, pipeline=pipeline,
