@@ -18,7 +18,7 @@ A draft service (edge) proposes token trees, a verifier service (cloud GPU) chec
 forward pass, an orchestrator runs the loop and streams text. Greedy output is token-identical to the
 target model decoding alone.
 
-  specsplit generate "Rewrite this function in Rust: ..."       # everything in this process
+  specsplit generate "Rewrite this function in Rust: ..."       # the whole stack here (a model draft: a child process)
   specsplit serve verifier --listen 0.0.0.0:50052               # on the GPU box
   specsplit serve draft --listen 0.0.0.0:50053                  # on the edge box
   specsplit serve orchestrator --verifier HOST:50052 --drafts HOST:50053 --listen 0.0.0.0:50051
