@@ -35,9 +35,10 @@ ALPHA_MIN = 1e-6  # α never reaches 0 (then T < α could never fire and only th
 # forward delays the next round (measured with the trained draft_lm, accepted whole ~20% of the time:
 # provisional generation cost 5-10% of tokens/s, bench/results/network_draft_lm.md).
 PROVISIONAL_MIN_CHANCE = 0.3
-# Pipelined verification (OrchestratorConfig.pipeline): once at least this share of drafted rounds keep their
-# provisional tokens, the goodput trigger verifies at once and lets the draft supply the next tree while the
-# verifier works, instead of drafting on serially while the verifier waits.
+# Pipelined verification (OrchestratorConfig.pipeline): while at least this share of drafted rounds keep their
+# provisional tokens, the goodput trigger verifies a tree once it holds what the draft makes during one
+# verification (GoodputThreshold.pipeline_nodes), letting the draft supply the next tree while the verifier
+# works, instead of pricing each draft forward as if the verifier waited for it (the α rule).
 PIPELINE_MIN_SHARE = 0.5
 
 
@@ -122,10 +123,9 @@ class GoodputThreshold:
     probe_max: int = 64  # each probe that confirms the choice doubles the gap, up to this (a flip resets it)
     probe_gap: int = 0  # the gap now (0: probe_every)
     since_probe: int = 0  # rounds since the last probe (or since the start)
-    # Decayed share of drafted rounds whose provisional tokens were kept for the next one (pipelined verification
-    # on: starts at PIPELINE_MIN_SHARE, so the first tree is verified at once and the draft goes on meanwhile).
+    # Decayed share of drafted rounds whose provisional tokens were kept for the next one (make_trigger starts it
+    # at PIPELINE_MIN_SHARE when pipelining is on, so the first tree is verified at once and the draft goes on).
     pipelined: float = 0.0
-
     verify_ms: float = 0.0  # a verification call incl. network, decayed
 
     def should_verify(self, confidence: float, num_nodes: int) -> bool:
@@ -159,7 +159,7 @@ class GoodputThreshold:
 
     def wants_draft(self) -> bool:
         """Draft this round, or let the target decode alone: the round type with the higher measured rate,
-        the other one once after every ``probe_every`` rounds (target-only first probed after ``warmup``)."""
+        the other one once after ``probe_gap`` rounds (target-only first probed after ``warmup``)."""
         if self.drafted[1] <= 0:
             return True  # measure drafting first
         due = self.since_probe >= (self.warmup if self.plain[1] <= 0 else (self.probe_gap or self.probe_every))
