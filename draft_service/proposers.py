@@ -69,12 +69,13 @@ class ModelProposer:
     """
 
     name = "model"
+    calibration = None  # draft_service.dtypes.Calibration when the dtypes were measured (the half draft)
 
     def __init__(self, loaded: LoadedModel, config: DraftConfig | None = None, name: str = "model",
                  prefill_model=None, copies: bool = False):
-        """prefill_model: the same weights in a dtype whose many-token forwards are fast, for forwards of
-        ``PREFILL_MIN_TOKENS`` or more tokens (a prompt, a copied span): on this CPU a float16 forward of 40 tokens took 443
-        ms, a bfloat16 one 51 ms, while one token takes 18.5 vs 26 ms. copies: provisional drafting first copies
+        """prefill_model: the same weights in a dtype whose many-token forwards are faster, for forwards of
+        ``PREFILL_MIN_TOKENS`` or more tokens (a prompt, a copied span); which dtype that is depends on the machine
+        (draft_service/dtypes.py). copies: provisional drafting first copies
         what followed the same words earlier in the session (prompt lookup, suffix n-grams of at least
         ``config.lookup_min_ngram`` tokens), then drafts on with the model: code edits keep lookup's long spans."""
         self.name = name  # "model": a draft LM; "half": the target itself at low precision

@@ -174,8 +174,11 @@ def _draft_flags(parser: argparse.ArgumentParser) -> None:
 
     group = parser.add_argument_group("model drafts (draft service, or the embedded stack; --draft model, half or eagle)")
     group.add_argument("--draft-dtype", default=_env("SPECSPLIT_DRAFT_DTYPE"),
-                       help="the draft model's dtype (--draft model or half): default float16 for half, --dtype for "
-                            "model. Any dtype keeps the output exact: the target verifies in --dtype")
+                       help="the draft model's dtype (--draft model or half): default for half: whichever of float16, "
+                            "bfloat16 and float32 runs a draft step fastest on this machine, timed at start (prompts "
+                            "and copied spans likewise go through the fastest dtype for many-token forwards; -v logs "
+                            "the timings); for model: --dtype. Any dtype keeps the output exact: the target verifies "
+                            "in --dtype")
     group.add_argument("--draft-threads", type=int, default=int(_env("SPECSPLIT_DRAFT_THREADS", "0")),
                        help="torch CPU threads of the draft's forwards (default 0: as --threads; 1 for the draft "
                             "process the embedded generate starts for a half or model draft, leaving the other "

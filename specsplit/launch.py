@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import collections
-import copy
+import dataclasses
 import logging
 import os
 import subprocess
@@ -11,11 +11,10 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
-import torch
 
 from specsplit.config import DraftConfig, OrchestratorConfig, VerifierConfig
 from specsplit.errors import InvalidArgument
-from specsplit.models import LoadedModel, load_model, load_tokenizer
+from specsplit.models import LoadedModel, load_model, load_tokenizer, resolve_dtype
 from specsplit.serving import Server
 
 log = logging.getLogger(__name__)
@@ -34,14 +33,12 @@ def start_verifier(loaded: LoadedModel, address: str = "127.0.0.1:0", config: Ve
     return server
 
 
-HALF_DTYPE = "float16"  # the half drafter's default precision
-
 
 def make_proposer(kind: str, draft_model: str | None = None, device: str | None = "auto", dtype: str = "float32",
                   config: DraftConfig | None = None, loaded: LoadedModel | None = None, artifact: str | None = None,
                   target_model: str | None = None, draft_dtype: str | None = None):
     """kind: "ngram", "model" (a draft model path, or an already loaded model), "half" (the target itself,
-    ``target_model``, at ``draft_dtype``, default float16), "eagle" or "eagle+ngram" (an eagle artifact for
+    ``target_model``, at ``draft_dtype``, default: the fastest measured here), "eagle" or "eagle+ngram" (an eagle artifact for
     ``target_model``; default: the shipped one for it). ``draft_dtype``: the draft model's dtype when it is
     not ``dtype``."""
     from draft_service.feature_proposer import load_feature_proposer
@@ -55,16 +52,21 @@ def make_proposer(kind: str, draft_model: str | None = None, device: str | None 
     if kind == "eagle+ngram":
         return CombinedProposer(load_feature_proposer(artifact, target_model, config), NgramProposer(config))
     if kind in ("half", "half+ngram"):
-        # The target's own weights at low precision: no training, and on a CPU float16 costs about half
-        # of float32 per token while agreeing with the float32 target's greedy tokens almost always
-        # (bench/results/drafters_half.md). Verification stays exact on the target in its own dtype.
-        loaded = loaded or load_model(target_model, device, draft_dtype or HALF_DTYPE)
-        prefill = None
-        if loaded.model.device.type == "cpu" and loaded.model.dtype == torch.float16:
-            # CPUs without float16 matrix units run many-token float16 forwards slowly: prompts go through a
-            # bfloat16 copy (bench numbers in ModelProposer)
-            prefill = copy.deepcopy(loaded.model).to(torch.bfloat16)
-        return ModelProposer(loaded, config, name=kind, prefill_model=prefill, copies=kind == "half+ngram")
+        # The target's own weights at a cheaper precision: no training, and agreeing with the float32 target's
+        # greedy tokens almost always (bench/results/drafters_half.md). Which dtype is cheapest depends on the
+        # machine, so it is measured at start (draft_service/dtypes.py) unless --draft-dtype names one.
+        # Verification stays exact on the target in its own dtype.
+        from draft_service.dtypes import STEP_DTYPES, calibrate
+
+        loaded = loaded or load_model(target_model, device, "float32")
+        config = config or DraftConfig()
+        steps = STEP_DTYPES if draft_dtype in (None, "", "auto") else (resolve_dtype(draft_dtype),)
+        models, calibration = calibrate(loaded.model, config.threads, step_dtypes=steps)
+        loaded = dataclasses.replace(loaded, model=models[calibration.step_dtype])
+        prefill = models[calibration.many_dtype] if calibration.many_dtype != calibration.step_dtype else None
+        proposer = ModelProposer(loaded, config, name=kind, prefill_model=prefill, copies=kind == "half+ngram")
+        proposer.calibration = calibration
+        return proposer
     if kind == "model":
         if loaded is None:
             if not draft_model:

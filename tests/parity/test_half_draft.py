@@ -11,6 +11,7 @@ import threading
 import pytest
 import torch
 
+from draft_service.dtypes import MANY_DTYPES, STEP_DTYPES, calibrate
 from specsplit.client import Client
 from specsplit.config import DraftConfig, OrchestratorConfig
 from specsplit.launch import default_proposers, make_proposer, start_stack
@@ -46,7 +47,10 @@ def run(stack, prompt_ids, max_new_tokens, draft="half"):
 def test_half_draft_is_lossless(target, target_dir, trigger, drafter):
     proposer = make_proposer(drafter, device="cpu", target_model=str(target_dir),
                              config=DraftConfig(grow_width=1, threads=1))
-    assert proposer.name == drafter and proposer.model.dtype == torch.float16
+    calibration = proposer.calibration  # the fastest dtypes measured here; any of them keeps the output exact
+    assert proposer.name == drafter and proposer.model.dtype == calibration.step_dtype
+    many = proposer.prefill_model.dtype if proposer.prefill_model is not None else proposer.model.dtype
+    assert many == calibration.many_dtype
     assert proposer.copies == (drafter == "half+ngram")
     config = OrchestratorConfig(trigger=trigger, fixed_tree_nodes=4, tree_max_nodes=16, share_estimates=False)
     with start_stack(target, [proposer], orchestrator_config=config) as stack:
@@ -58,7 +62,19 @@ def test_half_draft_is_lossless(target, target_dir, trigger, drafter):
             assert rounds and all(s.drafter == drafter for s in rounds)
             drafted += len(rounds)
             whole += sum(s.num_accepted == s.tree_depth for s in rounds)
-        assert whole >= 0.7 * drafted  # float16 almost always picks the float32 target's greedy token
+        assert whole >= 0.7 * drafted  # 16-bit copies almost always pick the float32 target's greedy token
+
+
+def test_calibration_keeps_the_fastest_measured_dtypes(target):
+    models, calibration = calibrate(target.model, threads=1)
+    assert set(calibration.step_ms) == set(STEP_DTYPES) and set(calibration.many_ms) == set(MANY_DTYPES)
+    assert calibration.step_dtype == min(calibration.step_ms, key=calibration.step_ms.get)
+    assert calibration.many_dtype == min(calibration.many_ms, key=calibration.many_ms.get)
+    assert set(models) == {calibration.step_dtype, calibration.many_dtype}
+    assert all(model.dtype == dtype for dtype, model in models.items())
+    assert target.model.dtype == torch.float32  # the target itself is never converted
+    models, given = calibrate(target.model, threads=1, step_dtypes=(torch.float16,))
+    assert given.step_dtype == torch.float16 and given.step_ms == {} and models[torch.float16].dtype == torch.float16
 
 
 def test_draft_dtype_is_chosen(target_dir):
