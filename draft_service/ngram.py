@@ -1,4 +1,4 @@
-"""Prompt lookup: an n-gram index over the session's own tokens drafts what followed the same words before.
+"""The n-gram draft: prompt lookup (specsplit/lookup.py) over the session's own tokens drafts what followed the same words before.
 
 No model, no tokenizer dependence: it works on any target's ids (code edits copy long spans of their input).
 """
@@ -6,46 +6,9 @@ No model, no tokenizer dependence: it works on any target's ids (code edits copy
 from __future__ import annotations
 
 from specsplit.config import DraftConfig
+from specsplit.lookup import NgramIndex
 from specsplit.sampling import SamplingParams
 from specsplit.tree import TokenTree
-
-
-class NgramIndex:
-    """Positions after every n-gram (n in [n_min, n_max]) of a growing token sequence."""
-
-    def __init__(self, n_min: int, n_max: int):
-        self.n_min, self.n_max = n_min, n_max
-        self.tokens: list[int] = []
-        self.follow: dict[tuple[int, ...], list[int]] = {}  # n-gram -> start indices of what followed it
-
-    def extend(self, new_tokens: list[int]) -> None:
-        for token in new_tokens:
-            self.tokens.append(token)
-            end = len(self.tokens)  # the n-grams ending at end-1 are followed by index `end`
-            for n in range(self.n_min, min(self.n_max, end) + 1):
-                self.follow.setdefault(tuple(self.tokens[end - n : end]), []).append(end)
-
-    def continuations(self, max_len: int, max_branches: int, context: list[int] | None = None) -> list[list[int]]:
-        """Distinct continuations of the longest suffix n-gram seen before, most recent occurrence first.
-
-        context: whose suffix to look up (default: the indexed tokens themselves); e.g. the indexed tokens
-        followed by drafted ones, which are not indexed."""
-        end = len(self.tokens)
-        context = self.tokens if context is None else context
-        for n in range(min(self.n_max, len(context)), self.n_min - 1, -1):
-            starts = self.follow.get(tuple(context[len(context) - n :]), [])
-            paths: list[list[int]] = []
-            for start in reversed(starts):
-                if start >= end:
-                    continue  # the suffix itself: nothing followed it yet
-                path = self.tokens[start : start + max_len]
-                if path and not any(p[: len(path)] == path for p in paths):
-                    paths.append(path)
-                if len(paths) == max_branches:
-                    break
-            if paths:
-                return paths
-        return []
 
 
 class NgramProposer:

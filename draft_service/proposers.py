@@ -13,9 +13,10 @@ from typing import Protocol
 
 import torch
 
-from draft_service.ngram import NgramIndex, NgramProposer
+from draft_service.ngram import NgramProposer
 from draft_service.rounds import GrowthControl, GrowthRound, draft_sampling, grow_top_tree, growth_policy
 from specsplit.growth import GrowingTree, GrowthStep
+from specsplit.lookup import SpanLookup
 from specsplit.provisional import reconcile_provisional
 
 from specsplit import kvcache
@@ -49,11 +50,10 @@ class _ModelSession:
     path_tokens: list[int] = field(default_factory=list)  # [P]
     path_probs: list[float] = field(default_factory=list)  # [P]
     warming: Future | None = None  # the prompt's prefill, started with the session (the first round waits on it)
-    index: NgramIndex | None = None  # prompt lookup over the committed tokens (a draft that copies spans)
+    lookup: SpanLookup | None = None  # prompt lookup over the committed tokens (a draft that copies spans)
 
 
 PREFILL_MIN_TOKENS = 4  # forwards of this many tokens or more (prompts, copied spans) go through prefill_model
-LOOKUP_MAX = 16  # longest span copied at once
 
 
 class ModelProposer:
@@ -181,17 +181,10 @@ class ModelProposer:
             self._keep_path(session, token_ids, round_.tree, slot, round_.leaf)
 
     def _lookup(self, session: _ModelSession, token_ids: list[int]):
-        """The round's prompt lookup: the index brought to the committed tokens, queried with a drafted path."""
-        index = session.index
-        if index is None or index.tokens != token_ids[: len(index.tokens)]:
-            index = session.index = NgramIndex(max(self.config.lookup_min_ngram, 1), self.config.ngram_max)
-        index.extend(token_ids[len(index.tokens):])
-
-        def lookup(path_tokens: list[int]) -> list[int]:
-            paths = index.continuations(LOOKUP_MAX, 1, list(token_ids) + path_tokens)
-            return paths[0] if paths else []
-
-        return lookup
+        """The round's prompt lookup: lookup(path_tokens) -> the span copied after the committed tokens + them."""
+        if session.lookup is None:
+            session.lookup = SpanLookup(self.config.lookup_min_ngram, self.config.ngram_max)
+        return lambda path_tokens: session.lookup.span(token_ids, path_tokens)
 
     def _kept_provisional(self, session: _ModelSession, token_ids: list[int]) -> list[tuple[int, float]]:
         """Last round's provisional tokens that continue ``token_ids`` and whose KV (all but the last) is

@@ -15,11 +15,9 @@ import torch
 
 from specsplit.config import DraftConfig
 from specsplit.growth import GrowingTree, GrowthPolicy, GrowthStep, best_leaf, grow_tree
+from specsplit.lookup import LOOKUP_PROB
 from specsplit.sampling import SamplingParams
 from specsplit.tree import SparseDist, TokenTree
-
-LOOKUP_PROB = 0.9  # the draft probability a copied (prompt lookup) token is sent with
-
 
 class GrowthControl(Protocol):
     """What the orchestrator has said so far in a DraftTree round (set from another thread)."""
@@ -97,6 +95,7 @@ class GrowthRound:
         self.forward, self.forget, self.vocab_ids, self.lookup = forward, forget, vocab_ids, lookup
         self.tree = GrowingTree()
         self.leaf = -1
+        self._top, self._prob = -1, 0.0  # the model's next token at the last leaf _agreed_copy looked at, its prob
         self._last_rows: dict[int, torch.Tensor] = {}  # node -> next-token logits [V'], from the latest forward
 
     def _logits(self, nodes: list[int]) -> torch.Tensor:
@@ -126,8 +125,16 @@ class GrowthRound:
         if seed:
             yield GrowthStep(0, tuple(tree.token_ids), tuple(tree.parents), tuple(tree.draft_probs),
                              seeded=len(seed), draft_ms=(time.perf_counter() - start) * 1e3)
+        frontier = len(seed) - 1
+        copied = [] if seed else self._agreed_copy(-1, max_nodes)
+        if copied:  # a copied span first (a code edit's unchanged lines): one step, no draft forward yet
+            for i, token in enumerate(copied):
+                frontier = tree.add(frontier, token, self._prob if i == 0 else LOOKUP_PROB)
+            yield GrowthStep(0, tuple(copied), tuple(tree.parents), tuple(tree.draft_probs),
+                             draft_ms=(time.perf_counter() - start) * 1e3)
+            start = time.perf_counter()
         finished = True
-        for step in grow_tree(self._expand, max_nodes, policy, tree=tree, frontier=[len(seed) - 1]):
+        for step in grow_tree(self._expand, max_nodes, policy, tree=tree, frontier=[frontier]):
             if control.verifying is not None or control.closed:
                 finished = False  # the verifier already has fewer nodes than this forward made
                 break
@@ -152,15 +159,12 @@ class GrowthRound:
         drafted = len(ahead)
         while drafted < provisional_max and leaf >= 0 and not control.closed:
             row = self._last_rows[leaf] if leaf in self._last_rows else self._logits([leaf])[0]  # [V']
-            prob, index = row.softmax(dim=-1).max(dim=-1)
-            token = self._token(int(index))
             # A copied span (prompt lookup) whose first token the model drafts too: sent at once, then one
             # forward over all of it before drafting on. The model's agreement screens out chance matches.
-            copied = self._copy(leaf, provisional_max - drafted)
-            copied = copied if len(copied) > 1 and copied[0] == token else [token]
+            copied = self._agreed_copy(leaf, provisional_max - drafted, row) or [self._top]
             first = len(tree)
             for i, t in enumerate(copied):
-                leaf = self.leaf = tree.add(leaf, t, float(prob) if i == 0 else LOOKUP_PROB)
+                leaf = self.leaf = tree.add(leaf, t, self._prob if i == 0 else LOOKUP_PROB)
             drafted += len(copied)
             yield GrowthStep(first, tuple(copied), tuple(tree.parents[first:]), tuple(tree.draft_probs[first:]),
                              provisional=True, draft_ms=(time.perf_counter() - start) * 1e3)
@@ -168,8 +172,16 @@ class GrowthRound:
                 self._logits(list(range(first, len(tree))))
             start = time.perf_counter()
 
-    def _copy(self, leaf: int, limit: int) -> list[int]:
-        """The lookup's continuation after ``leaf`` ([] without a lookup), at most ``limit`` tokens."""
-        if self.lookup is None:
+    def _agreed_copy(self, leaf: int, limit: int, row: torch.Tensor | None = None) -> list[int]:
+        """The lookup's continuation after ``leaf`` (-1: the root), at most ``limit`` tokens, if it is longer than
+        one token and its first token is the model's own next token there; else []. Either way the model's
+        next token and its probability are left in ``_top``/``_prob``. row: the leaf's next-token logits [V']
+        when already known; the lookup runs first, so the root's are only asked for when a span was found."""
+        path = [self.tree.token_ids[n] for n in self.tree.path_to(leaf)] if leaf >= 0 else []
+        copied = self.lookup(path)[:limit] if self.lookup is not None else []
+        if row is None and len(copied) < 2:
             return []
-        return self.lookup([self.tree.token_ids[n] for n in self.tree.path_to(leaf)])[:limit]
+        row = row if row is not None else self._logits([leaf])[0]  # [V']
+        prob, index = row.softmax(dim=-1).max(dim=-1)
+        self._top, self._prob = self._token(int(index)), float(prob)
+        return copied if len(copied) > 1 and copied[0] == self._top else []

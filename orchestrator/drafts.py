@@ -20,6 +20,7 @@ from orchestrator.session import LiveSession
 from orchestrator.trigger import RoundOutcome, make_trigger, tree_confidence
 from specsplit.errors import FailedPrecondition, InvalidArgument
 from specsplit.growth import GrowingTree, best_leaf
+from specsplit.lookup import LOOKUP_PROB, SpanLookup
 from specsplit.provisional import reconcile_provisional
 from specsplit.rpc import DraftInfo, RpcError
 from specsplit.tree import TokenTree, union_trees
@@ -169,7 +170,7 @@ class DraftMixin:
             session.draft = self._draft_replica_after(session.draft)
             self._start_draft(session)
         if session.state.draft_down_until or not trigger.wants_draft():
-            max_nodes = 0  # the target decodes alone this round
+            max_nodes = 0  # no draft model this round: the target decodes alone, or verifies a copied span
         else:
             max_nodes = min(self._max_nodes(session.draft), self.config.tree_max_nodes, max(remaining - 1, 0))
         started = time.perf_counter()
@@ -206,6 +207,7 @@ class DraftMixin:
                     if live and not step.seeded and step.first > 0:  # a tree forward (the root's children
                         steps += 1                                   # come from the catch-up forward)
                         step_ms += step.draft_ms
+                        trigger.note_step(step.draft_ms)
                     if step.done or len(tree) >= max_nodes or \
                             trigger.should_verify(tree_confidence(tree.confidence, live), len(tree)):
                         break
@@ -215,6 +217,8 @@ class DraftMixin:
                 stream = None
                 tree = GrowingTree()
                 self._draft_failed(session, err if isinstance(err, RpcError) else "DEADLINE_EXCEEDED")
+        elif self._drafter_name(session).endswith("+ngram"):
+            self._copy_span(session, tree, min(self.config.tree_max_nodes, max(remaining - 1, 0)))
         draft_ms = (time.perf_counter() - started) * 1e3
         leaf = best_leaf(tree)  # provisional drafting continues the branch ending here
         if stream is not None:
@@ -251,10 +255,21 @@ class DraftMixin:
         trigger.observe(RoundOutcome(
             num_drafted=len(branch), num_accepted=accepted,
             confidences=tuple(tree.confidence[n] for n in branch), committed=len(committed), round_ms=round_ms,
-            draft_steps=steps, draft_ms=step_ms, plain=not len(tree), pipelined_next=bool(session.ahead),
+            draft_steps=steps, draft_ms=step_ms, plain=max_nodes == 0, pipelined_next=bool(session.ahead),
             verify_ms=getattr(timing, "call_ms", 0.0) or 0.0))
         wasted = len(tree) - accepted + len(provisional) - min(len(kept), len(provisional))
         return TreeRound(token_tree, draft_ms if len(tree) else None, verdict, timing, wasted, seeded)
+
+    @staticmethod
+    def _copy_span(session: LiveSession, tree: GrowingTree, budget: int) -> None:
+        """A round without the draft model, for a draft that copies spans (half+ngram): the tree is what
+        prompt lookup finds after the committed tokens, at no cost (a code edit's unchanged lines), and the
+        round counts as a target-only one for the trigger (what it gets when the model's rounds do not pay)."""
+        if session.lookup is None:
+            session.lookup = SpanLookup()
+        parent = -1
+        for token in session.lookup.span(session.token_ids)[:budget]:
+            parent = tree.add(parent, token, LOOKUP_PROB)
 
     def _draft_replica_after(self, draft):
         """The next draft service of the same kind (a replica; any kind if this one's is unknown), in order."""

@@ -9,6 +9,7 @@ from orchestrator.burst import BurstSizer
 from orchestrator.controller import BudgetController
 from orchestrator.detok import TextStream
 from specsplit.features import Features
+from specsplit.lookup import SpanLookup
 from specsplit.sampling import SamplingParams
 from specsplit.store import SessionState
 from specsplit.tree import TokenTree
@@ -39,6 +40,7 @@ class LiveSession:
     # Last round's provisional tokens that continue the committed text, (token, draft prob) from the root down:
     # the draft holds them too, and with OrchestratorConfig.pipeline they are the next tree, verified at once.
     ahead: list[tuple[int, float]] = field(default_factory=list)
+    lookup: SpanLookup | None = None  # prompt lookup for rounds without the draft model (a draft that copies spans)
 
     @property
     def id(self) -> str:

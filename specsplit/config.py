@@ -40,6 +40,7 @@ class DraftConfig:
     ngram_min: int = 1  # shortest suffix n-gram that may match
     ngram_branches: int = 3  # distinct continuations offered as branches of one tree
     lookup_min_ngram: int = 3  # a model draft that copies spans (half+ngram) copies after suffix n-grams this long
+                               # (specsplit.lookup.LOOKUP_MIN_NGRAM)
     model_top_k: int = 2  # children per expanded node in the model drafter's tree
     model_depth: int = 6  # draft forwards per tree
     # Width-adaptive trees (DraftTree): see draft_service/growth.py

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from draft_service.dtypes import MANY_DTYPES, STEP_DTYPES, calibrate
+from orchestrator.trigger import GoodputThreshold
 from specsplit.client import Client
 from specsplit.config import DraftConfig, OrchestratorConfig
 from specsplit.launch import default_proposers, make_proposer, start_stack
@@ -95,3 +96,21 @@ def test_model_runner_keeps_its_own_thread_count():
     finally:
         runner.close()
     assert torch.get_num_threads() == before  # the caller's threads are untouched
+
+
+def test_rounds_without_the_model_still_copy_spans(target, target_dir):
+    """When goodput prefers rounds without the draft model (a draft step about as dear as the target's, as on
+    CPUs without 16-bit matrix units), a half+ngram session still verifies the span prompt lookup finds, at
+    no draft cost: the orchestrator looks it up itself and the draft service is not called."""
+    proposer = make_proposer("half+ngram", device="cpu", target_model=str(target_dir), config=DraftConfig(threads=1))
+    grown = []
+    real_grow = proposer.grow
+    proposer.grow = lambda *args, **kwargs: grown.append(args[0]) or real_grow(*args, **kwargs)
+    prompt = list(range(30, 50)) * 3  # the text repeats: after its last 3-gram, lookup copies what followed before
+    config = OrchestratorConfig(trigger="goodput", tree_max_nodes=16)
+    with start_stack(target, [proposer], orchestrator_config=config) as stack:
+        stack.orchestrator.core._learned[("trigger", "goodput", "half+ngram")] = GoodputThreshold(
+            drafting=False, drafted=(1.0, 1000.0), plain=(1.0, 10.0), probe_every=10**6)  # never draft, never probe
+        tokens, stats = run(stack, prompt, 24, "half+ngram")
+    assert tokens == hf_greedy(target.model, prompt, 24)
+    assert grown == [] and any(s.num_draft_tokens for s in stats)

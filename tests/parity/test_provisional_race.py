@@ -170,3 +170,34 @@ def test_copied_span_is_sent_at_once_then_the_model_drafts_on(model):
     wrong = [(greedy[2] + 1) % 300, *greedy[3:7]]  # a chance match: its first token is not the model's
     provisional = copied_round(proposer, "w", wrong, greedy[:2], 4)
     assert [len(s.token_ids) for s in provisional] == [1, 1, 1, 1] and tokens_of(provisional) == greedy[2:6]
+
+
+def test_copied_span_starts_the_tree_when_the_model_agrees(model):
+    """half+ngram, growth: a lookup span after the committed tokens whose first token the model drafts too is
+    the tree's first step (no draft forward for it); the model grows on from its end (one forward over the span
+    and its leaf's children), and the tree stays the target's greedy continuation. A disagreeing span is not used."""
+    greedy = hf_greedy(model.model, PROMPT, 24)
+    proposer = ModelProposer(model, DraftConfig(branch_threshold=1.0), copies=True)
+
+    def grown(session_id, span):
+        proposer.start(session_id, PROMPT)
+        proposer._lookup = lambda session, token_ids: (lambda path: span if path == [] else [])
+        forwards = []
+        real_expand = proposer._expand
+        proposer._expand = lambda *args: forwards.append(list(args[-1])) or real_expand(*args)
+        control = GrowthControl()
+        steps = []
+        for step in proposer.grow(session_id, PROMPT, 8, control, provisional_max=0):
+            steps.append(step)
+            if step.done:
+                control.verify(8)
+        proposer._expand = real_expand
+        return steps, forwards
+
+    steps, forwards = grown("g", greedy[:5])
+    assert steps[0].first == 0 and steps[0].token_ids == tuple(greedy[:5]) and steps[0].parents == (-1, 0, 1, 2, 3)
+    assert tokens_of(steps) == greedy[:8]
+    assert forwards[0] == [0, 1, 2, 3, 4]  # the span's nodes: one forward, after the span was sent
+
+    steps, _ = grown("w", [(greedy[0] + 1) % 300, *greedy[1:5]])
+    assert len(steps[0].token_ids) == 1 and tokens_of(steps) == greedy[:8]

@@ -1,4 +1,5 @@
-from draft_service.ngram import NgramIndex, NgramProposer
+from draft_service.ngram import NgramProposer
+from specsplit.lookup import NgramIndex
 from specsplit.config import DraftConfig
 
 

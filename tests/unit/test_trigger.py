@@ -170,3 +170,15 @@ def test_goodput_compares_tokens_over_time_not_single_rounds():
         drafted = sum(taken)
         t.observe((outcome(3, 0, committed=1) if drafted % 2 else outcome(3, 2, committed=3)) if taken[-1] else plain)
     assert [i for i, t in enumerate(taken) if not t] == [4, 37]  # only the probes, the gap doubling
+
+
+def test_goodput_sets_alpha_from_the_first_draft_step_it_sees():
+    """Rounds without draft forwards (pipelined, copied spans) measure no step time; the first step measured
+    mid-round sets α at once instead of leaving the starting guess to grow the tree to the node budget."""
+    t = GoodputThreshold()
+    t.observe(RoundOutcome(16, 16, (0.9,) * 16, 17, 400.0, 0, 0.0))  # 17 tokens in 400 ms, no draft forward
+    assert t.step_ms == 0 and t.alpha == 0.01
+    t.note_step(100.0)  # a draft forward as dear as ~4 committed tokens: verify at once
+    assert t.step_ms == 100.0 and t.alpha == 1.0 and t.should_verify(0.9, 1)
+    t.note_step(5.0)  # later steps go through observe's average, not here
+    assert t.step_ms == 100.0

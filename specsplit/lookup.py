@@ -1,0 +1,67 @@
+"""Prompt lookup: what followed the same words earlier in a session's own tokens (a code edit's unchanged lines).
+
+Pure and model-free, so any side may run it: the n-gram draft service, a model draft that copies spans
+(half+ngram) and the orchestrator's lookup rounds.
+"""
+
+from __future__ import annotations
+
+LOOKUP_MIN_NGRAM = 3  # a copied span follows a suffix n-gram at least this long (shorter ones match by chance)
+LOOKUP_MAX_NGRAM = 4  # prompt lookup's usual 3-4
+LOOKUP_MAX = 16  # longest span copied at once
+LOOKUP_PROB = 0.9  # the draft probability a copied token is sent with
+
+
+class NgramIndex:
+    """Positions after every n-gram (n in [n_min, n_max]) of a growing token sequence."""
+
+    def __init__(self, n_min: int, n_max: int):
+        self.n_min, self.n_max = n_min, n_max
+        self.tokens: list[int] = []
+        self.follow: dict[tuple[int, ...], list[int]] = {}  # n-gram -> start indices of what followed it
+
+    def extend(self, new_tokens: list[int]) -> None:
+        for token in new_tokens:
+            self.tokens.append(token)
+            end = len(self.tokens)  # the n-grams ending at end-1 are followed by index `end`
+            for n in range(self.n_min, min(self.n_max, end) + 1):
+                self.follow.setdefault(tuple(self.tokens[end - n : end]), []).append(end)
+
+    def continuations(self, max_len: int, max_branches: int, context: list[int] | None = None) -> list[list[int]]:
+        """Distinct continuations of the longest suffix n-gram seen before, most recent occurrence first.
+
+        context: whose suffix to look up (default: the indexed tokens themselves); e.g. the indexed tokens
+        followed by drafted ones, which are not indexed."""
+        end = len(self.tokens)
+        context = self.tokens if context is None else context
+        for n in range(min(self.n_max, len(context)), self.n_min - 1, -1):
+            starts = self.follow.get(tuple(context[len(context) - n :]), [])
+            paths: list[list[int]] = []
+            for start in reversed(starts):
+                if start >= end:
+                    continue  # the suffix itself: nothing followed it yet
+                path = self.tokens[start : start + max_len]
+                if path and not any(p[: len(path)] == path for p in paths):
+                    paths.append(path)
+                if len(paths) == max_branches:
+                    break
+            if paths:
+                return paths
+        return []
+
+
+class SpanLookup:
+    """One copied span at a time: an index kept up with a session's committed tokens."""
+
+    def __init__(self, min_ngram: int = LOOKUP_MIN_NGRAM, max_ngram: int = LOOKUP_MAX_NGRAM, max_len: int = LOOKUP_MAX):
+        self.min_ngram, self.max_ngram, self.max_len = max(min_ngram, 1), max(max_ngram, min_ngram, 1), max_len
+        self.index = NgramIndex(self.min_ngram, self.max_ngram)
+
+    def span(self, token_ids: list[int], drafted: list[int] = ()) -> list[int]:
+        """The most recent continuation of the longest suffix n-gram of ``token_ids`` + ``drafted`` (drafted
+        tokens are looked up, not indexed), at most ``max_len`` tokens; [] when nothing matches."""
+        if self.index.tokens != token_ids[: len(self.index.tokens)]:  # history rewritten: rebuild
+            self.index = NgramIndex(self.min_ngram, self.max_ngram)
+        self.index.extend(token_ids[len(self.index.tokens):])
+        paths = self.index.continuations(self.max_len, 1, list(token_ids) + list(drafted))
+        return paths[0] if paths else []
