@@ -164,6 +164,7 @@ class DraftMixin:
                                make_trigger(self.config.trigger, self.config.fixed_tree_nodes,
                                             self.config.pipeline and self.config.provisional_max > 0))
             self._learned[key] = session.trigger
+            session.trigger.new_session()
         trigger = session.trigger
         ahead, session.ahead = (session.ahead if self.config.pipeline and self.config.provisional_max else []), []
         if session.state.draft_down_until:  # the draft failed earlier and its pause is over: start it again

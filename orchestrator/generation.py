@@ -27,7 +27,7 @@ from orchestrator.replicas import ReplicaSet
 from orchestrator.session import LiveSession, burst_sizer, controller_from_state, text_stream_at
 from specsplit.config import OrchestratorConfig
 from specsplit.errors import FailedPrecondition, InvalidArgument, NotFound, SpecSplitError, StaleRound, Unavailable
-from specsplit.rpc import RpcError, VerifierInfo
+from specsplit.rpc import DraftInfo, RpcError, VerifierInfo
 from specsplit.sampling import SamplingParams
 from specsplit.store import CANCELLED, DETACHED, FINISHED, RUNNING, TERMINAL, InMemoryStore, SessionState, update
 from specsplit.stream import Chunk, RoundStats

@@ -81,6 +81,9 @@ class FixedSize:
     def note_step(self, step_ms: float) -> None:
         pass
 
+    def new_session(self) -> None:
+        pass
+
 
 @dataclass
 class EdgeLLMThreshold:
@@ -96,6 +99,9 @@ class EdgeLLMThreshold:
         return True  # the paper's rule has no cost model: always draft
 
     def note_step(self, step_ms: float) -> None:
+        pass
+
+    def new_session(self) -> None:
         pass
 
     def observe(self, outcome: RoundOutcome) -> None:
@@ -133,6 +139,12 @@ class GoodputThreshold:
     # at PIPELINE_MIN_SHARE when pipelining is on, so the first tree is verified at once and the draft goes on).
     pipelined: float = 0.0
     verify_ms: float = 0.0  # a verification call incl. network, decayed
+    # The next drafted round is the first since target-only rounds or since the session started: the draft
+    # first catches up on the tokens it skipped (or waits for its prompt's prefill), a cost steady drafting
+    # never pays, so that round is not measured and a probe of drafting lasts one round more. (Measured: the
+    # half draft's probes after 16-64 target-only rounds spent ~580 ms each catching up, and goodput never
+    # drafted again on a CPU where drafting ran 1.37x target-only.)
+    resync: bool = False
 
     def should_verify(self, confidence: float, num_nodes: int) -> bool:
         """T < α; but while drafted rounds usually keep their provisional tokens (pipelined: the draft drafts
@@ -171,7 +183,14 @@ class GoodputThreshold:
         due = self.since_probe >= (self.warmup if self.plain[1] <= 0 else (self.probe_gap or self.probe_every))
         return self.drafting != due
 
+    def new_session(self) -> None:
+        self.resync = True
+
     def observe(self, outcome: RoundOutcome) -> None:
+        if not outcome.plain and self.resync:
+            self.resync = False
+            return  # not measured (see resync); a due probe stays due
+        self.resync = outcome.plain
         probed = (not outcome.plain) != self.drafting
         self.since_probe = 0 if probed else self.since_probe + 1
         if outcome.round_ms > 0:

@@ -5,8 +5,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from tiny import hf_greedy
 
 JSON_KEYS = {"prompt_token_ids", "token_ids", "text", "rounds", "mean_accepted_tokens", "tokens_per_second",

@@ -15,7 +15,6 @@ from orchestrator.trigger import make_trigger
 from specsplit.client import AsyncClient, Client
 from specsplit.config import DraftConfig, OrchestratorConfig
 from specsplit.launch import start_stack
-from specsplit.rpc import RemoteVerifier
 from tiny import hf_greedy, tiny_loaded
 
 PROMPT = [258, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4]

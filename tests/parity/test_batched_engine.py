@@ -13,7 +13,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from specsplit.config import VerifierConfig
 from specsplit.errors import InvalidArgument, ResourceExhausted

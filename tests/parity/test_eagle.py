@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from draft_service.drafter import GrowthControl
-from draft_service.feature_proposer import FeatureProposer, load_feature_proposer
+from draft_service.feature_proposer import load_feature_proposer
 from draft_service.ngram import NgramProposer
 from draft_service.proposers import CombinedProposer
 from specsplit.config import DraftConfig

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 from tiny import tiny_loaded
 
 from draft_service.training import train

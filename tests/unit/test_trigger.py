@@ -131,15 +131,19 @@ def test_goodput_lets_the_target_decode_alone_when_drafting_does_not_pay():
     weak = outcome(4, 0, committed=1, round_ms=60.0)  # 0.017 tokens/ms: drafting loses
     taken = rounds_taken(GoodputThreshold(), weak, plain, 60)
     assert taken[:5] == [True, True, True, True, False]  # drafting measured first, then one target-only probe
-    assert taken[5:22] == [False] * 16 + [True]  # target alone, then a drafted probe after probe_every rounds
-    # each probe that confirms the choice doubles the gap: probes at rounds 21, 54, 119, 184 (gap 64 at most)
-    assert [i for i, t in enumerate(rounds_taken(GoodputThreshold(), weak, plain, 200)) if t][4:] == [21, 54, 119, 184]
+    # target alone, then a drafted probe after probe_every rounds: two rounds, as the first one after target-only
+    # rounds (the draft catching up on the tokens it skipped) is not measured
+    assert taken[5:23] == [False] * 16 + [True, True]
+    # each probe that confirms the choice doubles the gap: probes at rounds 21, 55, 121, 187 (gap 64 at most)
+    taken = rounds_taken(GoodputThreshold(), weak, plain, 200)
+    assert [i for i, t in enumerate(taken) if t][4:] == [21, 22, 55, 56, 121, 122, 187, 188]
 
     good = outcome(4, 3, committed=4, round_ms=80.0)  # 0.05 tokens/ms: drafting wins
     taken = rounds_taken(GoodputThreshold(), good, plain, 60)
     assert taken[:5] == [True, True, True, True, False]
-    # the warm-up probe confirms drafting: the next probe comes 32 rounds later
-    assert [i for i, t in enumerate(taken) if not t] == [4, 37]
+    # the warm-up probe confirms drafting: the next probe comes 32 measured rounds later (round 5, the first
+    # drafted one after the probe, is not measured)
+    assert [i for i, t in enumerate(taken) if not t] == [4, 38]
 
 
 def test_goodput_probes_as_at_first_once_a_probe_flips_the_choice():
@@ -169,7 +173,7 @@ def test_goodput_compares_tokens_over_time_not_single_rounds():
         taken.append(t.wants_draft())
         drafted = sum(taken)
         t.observe((outcome(3, 0, committed=1) if drafted % 2 else outcome(3, 2, committed=3)) if taken[-1] else plain)
-    assert [i for i, t in enumerate(taken) if not t] == [4, 37]  # only the probes, the gap doubling
+    assert [i for i, t in enumerate(taken) if not t] == [4, 38]  # only the probes, the gap doubling
 
 
 def test_goodput_sets_alpha_from_the_first_draft_step_it_sees():
@@ -182,3 +186,17 @@ def test_goodput_sets_alpha_from_the_first_draft_step_it_sees():
     assert t.step_ms == 100.0 and t.alpha == 1.0 and t.should_verify(0.9, 1)
     t.note_step(5.0)  # later steps go through observe's average, not here
     assert t.step_ms == 100.0
+
+
+def test_goodput_does_not_measure_the_draft_catching_up():
+    """The first drafted round of a session, and the first after target-only rounds, carry the draft's catch-up
+    (its prompt's prefill, the tokens it skipped): not measured, so a draft that pays is not judged by it."""
+    t = GoodputThreshold()
+    t.new_session()
+    t.observe(outcome(4, 4, committed=5, round_ms=2000.0))  # waited for the draft's prefill
+    assert t.drafted == (0.0, 0.0) and t.rate == 0
+    t.observe(outcome(4, 4, committed=5, round_ms=100.0))
+    assert t.drafted == (5.0, 100.0)
+    t.observe(RoundOutcome(0, 0, (), 1, 40.0, 0, 0.0, plain=True))
+    t.observe(outcome(4, 4, committed=5, round_ms=900.0))  # caught up on the target-only round's token first
+    assert t.drafted == (5.0, 100.0)
