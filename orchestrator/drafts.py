@@ -29,7 +29,11 @@ log = logging.getLogger("orchestrator.generation")
 
 STREAMING_DRAFTERS = ("model", "half", "half+ngram", "eagle")  # drafters that stream growing trees (DraftTree)
 DRAFT_CHOICES = ("auto", "ngram", "model", "half", "half+ngram", "eagle", "eagle+ngram", "medusa", "medusa+ngram", "none")
-MEDUSA = ("medusa", "medusa+ngram")  # self-speculation in the verifier (+ngram: merged with a lookup draft's tree)
+MEDUSA = ("medusa", "medusa+ngram")
+# Spans of a draft that copies them are verified without the draft while this decayed share of their tokens
+# was right (code edits: most; chat: chance matches, mostly wrong, each breaking the draft's pipeline).
+COPY_MIN_HITS = 0.5
+COPY_EMA = 0.5  # self-speculation in the verifier (+ngram: merged with a lookup draft's tree)
 
 
 class DraftMixin:
@@ -170,8 +174,12 @@ class DraftMixin:
         if session.state.draft_down_until:  # the draft failed earlier and its pause is over: start it again
             session.draft = self._draft_replica_after(session.draft)
             self._start_draft(session)
-        if session.state.draft_down_until or not trigger.wants_draft():
-            max_nodes = 0  # no draft model this round: the target decodes alone, or verifies a copied span
+        # A draft that copies spans (half+ngram), with no kept provisional tokens: a span prompt lookup finds is
+        # verified as it is, with no draft call (a code edit's unchanged lines), while such spans are mostly right.
+        span = self._lookup_span(session, remaining) if not ahead else []  # [S]
+        copied = bool(span) and session.copy_hits >= COPY_MIN_HITS
+        if copied or session.state.draft_down_until or not trigger.wants_draft():
+            max_nodes = 0  # no draft model this round: a copied span, or the target decodes alone
         else:
             max_nodes = min(self._max_nodes(session.draft), self.config.tree_max_nodes, max(remaining - 1, 0))
         started = time.perf_counter()
@@ -218,8 +226,10 @@ class DraftMixin:
                 stream = None
                 tree = GrowingTree()
                 self._draft_failed(session, err if isinstance(err, RpcError) else "DEADLINE_EXCEEDED")
-        elif self._drafter_name(session).endswith("+ngram"):
-            self._copy_span(session, tree, min(self.config.tree_max_nodes, max(remaining - 1, 0)))
+        elif copied:
+            parent = -1
+            for token in span:
+                parent = tree.add(parent, token, LOOKUP_PROB)
         draft_ms = (time.perf_counter() - started) * 1e3
         leaf = best_leaf(tree)  # provisional drafting continues the branch ending here
         if stream is not None:
@@ -242,6 +252,9 @@ class DraftMixin:
                 provisional = [(t, q) for s in arrived if s.provisional for t, q in zip(s.token_ids, s.draft_probs)]
         except RpcError:
             pass
+        if span:  # how much of the span was right, whether it was verified or not (then checked for free)
+            agreed = next((i for i, (a, b) in enumerate(zip(span, committed)) if a != b), min(len(span), len(committed)))
+            session.copy_hits += COPY_EMA * (agreed / max(1, min(len(span), len(committed))) - session.copy_hits)
         path = tree.path_to(leaf) if leaf >= 0 else []
         route = [(tree.token_ids[n], tree.draft_probs[n]) for n in path] + provisional
         kept = reconcile_provisional(committed, [t for t, _ in route])
@@ -256,21 +269,18 @@ class DraftMixin:
         trigger.observe(RoundOutcome(
             num_drafted=len(branch), num_accepted=accepted,
             confidences=tuple(tree.confidence[n] for n in branch), committed=len(committed), round_ms=round_ms,
-            draft_steps=steps, draft_ms=step_ms, plain=max_nodes == 0, pipelined_next=bool(session.ahead),
+            draft_steps=steps, draft_ms=step_ms, plain=max_nodes == 0, copied=copied, pipelined_next=bool(session.ahead),
             verify_ms=getattr(timing, "call_ms", 0.0) or 0.0))
         wasted = len(tree) - accepted + len(provisional) - min(len(kept), len(provisional))
         return TreeRound(token_tree, draft_ms if len(tree) else None, verdict, timing, wasted, seeded)
 
-    @staticmethod
-    def _copy_span(session: LiveSession, tree: GrowingTree, budget: int) -> None:
-        """A round without the draft model, for a draft that copies spans (half+ngram): the tree is what
-        prompt lookup finds after the committed tokens, at no cost (a code edit's unchanged lines), and the
-        round counts as a target-only one for the trigger (what it gets when the model's rounds do not pay)."""
+    def _lookup_span(self, session: LiveSession, remaining: int) -> list[int]:
+        """What prompt lookup copies after the committed tokens ([S]; [] unless the draft copies spans)."""
+        if not self._drafter_name(session).endswith("+ngram") or not session.sampling.greedy:
+            return []
         if session.lookup is None:
             session.lookup = SpanLookup()
-        parent = -1
-        for token in session.lookup.span(session.token_ids)[:budget]:
-            parent = tree.add(parent, token, LOOKUP_PROB)
+        return session.lookup.span(session.token_ids)[: min(self.config.tree_max_nodes, max(remaining - 1, 0))]
 
     def _draft_replica_after(self, draft):
         """The next draft service of the same kind (a replica; any kind if this one's is unknown), in order."""

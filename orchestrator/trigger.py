@@ -59,6 +59,7 @@ class RoundOutcome:
     plain: bool = False  # nothing was drafted: the target decoded alone (a decode burst: committed >= 1)
     pipelined_next: bool = False  # provisional tokens were kept: the next round may verify them at once
     verify_ms: float = 0.0  # the verification call as the orchestrator saw it (network included)
+    copied: bool = False  # the tree was a span prompt lookup copied, no draft involved: says nothing of the draft
 
 
 @dataclass
@@ -106,7 +107,7 @@ class EdgeLLMThreshold:
 
     def observe(self, outcome: RoundOutcome) -> None:
         n_all, n_correct = outcome.num_drafted, outcome.num_accepted
-        if n_all <= 0:
+        if n_all <= 0 or outcome.copied:
             return
         if n_correct >= n_all:
             self.alpha = max(self.alpha / 2, ALPHA_MIN)
@@ -187,6 +188,9 @@ class GoodputThreshold:
         self.resync = True
 
     def observe(self, outcome: RoundOutcome) -> None:
+        if outcome.copied:  # neither kind of round; the draft skipped its tokens
+            self.resync = True
+            return
         if not outcome.plain and self.resync:
             self.resync = False
             return  # not measured (see resync); a due probe stays due
