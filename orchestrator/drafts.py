@@ -20,7 +20,7 @@ from orchestrator.session import LiveSession
 from orchestrator.trigger import RoundOutcome, make_trigger, tree_confidence
 from specsplit.errors import FailedPrecondition, InvalidArgument
 from specsplit.growth import GrowingTree, best_leaf
-from specsplit.lookup import LOOKUP_PROB, SpanLookup
+from specsplit.lookup import LOOKUP_PROB, SpanLookup, span_hits, use_span
 from specsplit.provisional import reconcile_provisional
 from specsplit.rpc import DraftInfo, RpcError
 from specsplit.tree import TokenTree, union_trees
@@ -29,11 +29,7 @@ log = logging.getLogger("orchestrator.generation")
 
 STREAMING_DRAFTERS = ("model", "half", "half+ngram", "eagle")  # drafters that stream growing trees (DraftTree)
 DRAFT_CHOICES = ("auto", "ngram", "model", "half", "half+ngram", "eagle", "eagle+ngram", "medusa", "medusa+ngram", "none")
-MEDUSA = ("medusa", "medusa+ngram")
-# Spans of a draft that copies them are verified without the draft while this decayed share of their tokens
-# was right (code edits: most; chat: chance matches, mostly wrong, each breaking the draft's pipeline).
-COPY_MIN_HITS = 0.5
-COPY_EMA = 0.5  # self-speculation in the verifier (+ngram: merged with a lookup draft's tree)
+MEDUSA = ("medusa", "medusa+ngram")  # self-speculation in the verifier (+ngram: merged with a lookup draft's tree)
 
 
 class DraftMixin:
@@ -174,10 +170,13 @@ class DraftMixin:
         if session.state.draft_down_until:  # the draft failed earlier and its pause is over: start it again
             session.draft = self._draft_replica_after(session.draft)
             self._start_draft(session)
-        # A draft that copies spans (half+ngram), with no kept provisional tokens: a span prompt lookup finds is
-        # verified as it is, with no draft call (a code edit's unchanged lines), while such spans are mostly right.
-        span = self._lookup_span(session, remaining) if not ahead else []  # [S]
-        copied = bool(span) and session.copy_hits >= COPY_MIN_HITS
+        # A draft that copies spans (half+ngram): a span prompt lookup finds is verified as it is, with no draft call
+        # (a code edit's unchanged lines), while such spans are mostly right, or when it continues last round's
+        # kept provisional tokens (the draft's own, which then vouch for it) further than they go.
+        span = self._lookup_span(session, remaining)  # [S]
+        copied = use_span(span, [t for t, _ in ahead], session.copy_hits)
+        if copied:
+            ahead = []
         if copied or session.state.draft_down_until or not trigger.wants_draft():
             max_nodes = 0  # no draft model this round: a copied span, or the target decodes alone
         else:
@@ -187,7 +186,11 @@ class DraftMixin:
         steps = seeded = 0
         step_ms = 0.0  # draft forward time as the draft measured it (no waiting, no network)
         stream = None
-        if max_nodes > 0:
+        if copied:
+            parent = -1
+            for token in span:
+                parent = tree.add(parent, token, LOOKUP_PROB)
+        elif max_nodes > 0:
             try:
                 stream = session.draft.draft_tree(session.id, session.unsent, len(session.token_ids), max_nodes,
                                                   self.config.provisional_max,
@@ -226,10 +229,6 @@ class DraftMixin:
                 stream = None
                 tree = GrowingTree()
                 self._draft_failed(session, err if isinstance(err, RpcError) else "DEADLINE_EXCEEDED")
-        elif copied:
-            parent = -1
-            for token in span:
-                parent = tree.add(parent, token, LOOKUP_PROB)
         draft_ms = (time.perf_counter() - started) * 1e3
         leaf = best_leaf(tree)  # provisional drafting continues the branch ending here
         if stream is not None:
@@ -252,9 +251,8 @@ class DraftMixin:
                 provisional = [(t, q) for s in arrived if s.provisional for t, q in zip(s.token_ids, s.draft_probs)]
         except RpcError:
             pass
-        if span:  # how much of the span was right, whether it was verified or not (then checked for free)
-            agreed = next((i for i, (a, b) in enumerate(zip(span, committed)) if a != b), min(len(span), len(committed)))
-            session.copy_hits += COPY_EMA * (agreed / max(1, min(len(span), len(committed))) - session.copy_hits)
+        if span:
+            session.copy_hits = span_hits(session.copy_hits, span, committed)
         path = tree.path_to(leaf) if leaf >= 0 else []
         route = [(tree.token_ids[n], tree.draft_probs[n]) for n in path] + provisional
         kept = reconcile_provisional(committed, [t for t, _ in route])

@@ -41,7 +41,7 @@ class LiveSession:
     # the draft holds them too, and with OrchestratorConfig.pipeline they are the next tree, verified at once.
     ahead: list[tuple[int, float]] = field(default_factory=list)
     lookup: SpanLookup | None = None  # prompt lookup for rounds without the draft model (a draft that copies spans)
-    copy_hits: float = 1.0  # decayed share of looked-up span tokens that were right (orchestrator.drafts.COPY_MIN_HITS)
+    copy_hits: float = 1.0  # decayed share of looked-up span tokens that were right (specsplit.lookup.span_hits)
 
     @property
     def id(self) -> str:

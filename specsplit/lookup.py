@@ -10,6 +10,10 @@ LOOKUP_MIN_NGRAM = 3  # a copied span follows a suffix n-gram at least this long
 LOOKUP_MAX_NGRAM = 4  # prompt lookup's usual 3-4
 LOOKUP_MAX = 16  # longest span copied at once
 LOOKUP_PROB = 0.9  # the draft probability a copied token is sent with
+# A span is verified without the draft while this decayed share of looked-up span tokens was right (code edits:
+# most; chat: chance matches, mostly wrong, each breaking the draft's pipeline).
+COPY_MIN_HITS = 0.5
+COPY_EMA = 0.5  # weight of the latest span in that share
 
 
 class NgramIndex:
@@ -65,3 +69,20 @@ class SpanLookup:
         self.index.extend(token_ids[len(self.index.tokens):])
         paths = self.index.continuations(self.max_len, 1, list(token_ids) + list(drafted))
         return paths[0] if paths else []
+
+
+def use_span(span: list[int], ahead: list[int], hits: float) -> bool:
+    """Whether a round verifies the looked-up ``span`` as its tree instead of the draft's: with no kept
+    provisional tokens (``ahead``), while spans have mostly been right (``hits`` >= COPY_MIN_HITS); with some,
+    when the span goes further along them (the draft's own tokens then vouch for its start)."""
+    if ahead:
+        return len(span) > len(ahead) and span[: len(ahead)] == ahead
+    return bool(span) and hits >= COPY_MIN_HITS
+
+
+def span_hits(hits: float, span: list[int], committed: list[int]) -> float:
+    """``hits`` updated with how much of ``span`` the target committed (as far as both go): whether the span was
+    verified or not, this is known for free once the round's tokens are committed."""
+    n = min(len(span), len(committed))
+    agreed = next((i for i in range(n) if span[i] != committed[i]), n)
+    return hits + COPY_EMA * (agreed / max(n, 1) - hits)

@@ -1,6 +1,6 @@
 from draft_service.ngram import NgramProposer
-from specsplit.lookup import NgramIndex
 from specsplit.config import DraftConfig
+from specsplit.lookup import NgramIndex, span_hits, use_span
 
 
 def test_continuation_of_longest_suffix_match():
@@ -47,3 +47,21 @@ def test_index_follows_new_tokens():
     proposer.start("s", [5, 6, 7])
     tree = proposer.propose("s", [5, 6, 7, 5, 6], max_nodes=4)
     assert tree.token_ids[0] == 7
+
+
+def test_a_span_is_used_while_spans_have_been_right_or_when_it_extends_the_drafts_tokens():
+    assert use_span([4, 5, 6], [], hits=0.5) and not use_span([4, 5, 6], [], hits=0.4)
+    assert not use_span([], [], hits=1.0)
+    assert use_span([4, 5, 6], [4, 5], hits=0.0)  # the draft's kept tokens vouch for its start
+    assert not use_span([4, 9, 6], [4, 5], hits=1.0)  # the draft disagrees
+    assert not use_span([4, 5], [4, 5], hits=1.0)  # no further than the draft's own
+
+
+def test_span_hits_count_what_the_target_committed_as_far_as_both_go():
+    assert span_hits(1.0, [4, 5, 6, 7], [4, 5, 9]) == 1.0 + 0.5 * (2 / 3 - 1.0)  # 2 of the 3 comparable right
+    assert span_hits(1.0, [4, 5, 6, 7], [8]) == 0.5  # a chance match: wrong from its first token
+    assert span_hits(0.5, [4, 5], [4, 5, 6]) == 0.75  # all of it right
+    hits = 1.0
+    for _ in range(2):  # two wrong spans in a row stop spans being verified without the draft
+        hits = span_hits(hits, [4, 5], [8])
+    assert not use_span([4, 5], [], hits)
