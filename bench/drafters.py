@@ -8,7 +8,8 @@ Greedy decoding with the default target (SmolLM2-135M-Instruct, fp32, CPU). Meth
 
 - ``hf_greedy``: HF ``generate(do_sample=False)`` of the target alone (a child process): the baseline.
 - ``hf_assisted``: HF assisted generation with the distilled draft LM (``assistant_model=``).
-- ``hf_assisted_half``: HF assisted generation with the target itself in float16 as ``assistant_model``.
+- ``hf_assisted_half``: HF assisted generation with the target itself as ``assistant_model``, in the dtype the
+  half draft measures fastest for a step here (draft_service/dtypes.py).
 - ``half``: the target in float16 as the draft (``--draft half``), in its own draft-service process with
   ``--draft-threads`` threads (as the embedded ``specsplit generate`` runs it, and as an edge box would);
   ``half+ngram``: the same, copying prompt-lookup spans first.
@@ -46,6 +47,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
 
+from draft_service.dtypes import calibrate  # noqa: E402
 from run import chat_ids, geomean, hf_generate, load_prompts  # noqa: E402 (bench/run.py)
 from specsplit.client import Client  # noqa: E402
 from specsplit.config import DraftConfig, OrchestratorConfig  # noqa: E402
@@ -90,7 +92,8 @@ class HFWorker:
         self.conn.recv()
 
     def generate(self, ids: list[int], max_new: int, assistant: str = ""):
-        """assistant: "" (plain greedy), "hf_assisted" (the draft LM) or "hf_assisted_half" (the target in float16)."""
+        """assistant: "" (plain greedy), "hf_assisted" (the draft LM) or "hf_assisted_half" (the target at the
+        half draft's step dtype)."""
         self.conn.send((ids, max_new, assistant))
         return self.conn.recv()  # (token_ids, seconds, forwards)
 
@@ -102,8 +105,12 @@ class HFWorker:
 def _hf_main(conn, threads: int, assistant_dir: str | None, half_assistant: bool) -> None:
     torch.set_num_threads(threads)
     loaded = load_model(None, "cpu", "float32")
+    half = None
+    if half_assistant:  # the same step dtype the half draft picks on this machine (draft_service/dtypes.py)
+        models, calibration = calibrate(load_model(None, "cpu", "float32").model, threads)
+        half = models[calibration.step_dtype]
     assistants = {"hf_assisted": load_model(assistant_dir, "cpu", "float32").model if assistant_dir else None,
-                  "hf_assisted_half": load_model(None, "cpu", "float16").model if half_assistant else None}
+                  "hf_assisted_half": half}
     conn.send("ready")
     while (msg := conn.recv()) is not None:
         ids, max_new, assistant = msg

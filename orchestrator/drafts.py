@@ -20,7 +20,7 @@ from orchestrator.session import LiveSession
 from orchestrator.trigger import RoundOutcome, make_trigger, tree_confidence
 from specsplit.errors import FailedPrecondition, InvalidArgument
 from specsplit.growth import GrowingTree, best_leaf
-from specsplit.lookup import LOOKUP_PROB, SpanLookup, span_hits, use_span
+from specsplit.lookup import COPY_BRIDGE_ROUNDS, LOOKUP_PROB, SpanLookup, span_hits, use_span
 from specsplit.provisional import reconcile_provisional
 from specsplit.rpc import DraftInfo, RpcError
 from specsplit.tree import TokenTree, union_trees
@@ -175,9 +175,11 @@ class DraftMixin:
         # kept provisional tokens (the draft's own, which then vouch for it) further than they go.
         span = self._lookup_span(session, remaining)  # [S]
         copied = use_span(span, [t for t, _ in ahead], session.copy_hits)
+        bridge = not copied and not ahead and session.since_copy < COPY_BRIDGE_ROUNDS  # see COPY_BRIDGE_ROUNDS
+        session.since_copy = 0 if copied else session.since_copy + 1
         if copied:
             ahead = []
-        if copied or session.state.draft_down_until or not trigger.wants_draft():
+        if copied or bridge or session.state.draft_down_until or not trigger.wants_draft():
             max_nodes = 0  # no draft model this round: a copied span, or the target decodes alone
         else:
             max_nodes = min(self._max_nodes(session.draft), self.config.tree_max_nodes, max(remaining - 1, 0))

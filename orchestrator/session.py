@@ -41,6 +41,7 @@ class LiveSession:
     # the draft holds them too, and with OrchestratorConfig.pipeline they are the next tree, verified at once.
     ahead: list[tuple[int, float]] = field(default_factory=list)
     lookup: SpanLookup | None = None  # prompt lookup for rounds without the draft model (a draft that copies spans)
+    since_copy: int = 1 << 30  # rounds since the last one that verified a copied span
     copy_hits: float = 1.0  # decayed share of looked-up span tokens that were right (specsplit.lookup.span_hits)
 
     @property
