@@ -28,10 +28,11 @@ target model decoding alone.
 DRAFT_HELP = ("drafter: auto (a --draft-model if given; else the shipped eagle, medusa or half manifest for the "
               "target whose <kind>+ngram measured fastest against n-gram lookup alone, if it beat it (SmolLM2: "
               "half+ngram); else n-gram prompt lookup), ngram, model (needs "
-              "--draft-model), half (the target's own weights in float16 on the draft service, see --draft-dtype: "
-              "no training, agrees with the float32 target almost always at about half its cost per token on a "
-              "CPU), half+ngram (half, also copying spans of the session's text that prompt lookup finds and "
-              "the model agrees with: code edits keep most of lookup's gains), eagle (EAGLE-style feature drafter; --draft-artifact or the shipped one), "
+              "--draft-model), half (the target's own weights at the 16-bit precision measured fastest on the "
+              "draft's machine, see --draft-dtype: no training, agrees with the float32 target almost always, at "
+              "0.5-0.7 of its cost per token on the CPUs measured), half+ngram (half, plus spans of the session's "
+              "text that prompt lookup finds, verified without the draft while they keep being right: code "
+              "edits keep most of lookup's gains), eagle (EAGLE-style feature drafter; --draft-artifact or the shipped one), "
               "eagle+ngram (its tree merged with the n-gram lookup's), medusa (the verifier's own Medusa heads, "
               "no draft service; --medusa or the shipped ones), medusa+ngram, none (target only)")
 DRAFTS = ["auto", "ngram", "model", "half", "half+ngram", "eagle", "eagle+ngram", "medusa", "medusa+ngram", "none"]
