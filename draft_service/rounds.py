@@ -19,6 +19,7 @@ from specsplit.lookup import LOOKUP_PROB
 from specsplit.sampling import SamplingParams
 from specsplit.tree import SparseDist, TokenTree
 
+
 class GrowthControl(Protocol):
     """What the orchestrator has said so far in a DraftTree round (set from another thread)."""
 

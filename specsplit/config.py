@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specsplit.lookup import LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM
+
 
 @dataclass
 class VerifierConfig:
@@ -36,11 +38,10 @@ class VerifierConfig:
 @dataclass
 class DraftConfig:
     max_nodes: int = 64  # matches the verifier's default tree budget
-    ngram_max: int = 4  # longest suffix n-gram looked up (prompt lookup's usual 3-4)
+    ngram_max: int = LOOKUP_MAX_NGRAM  # longest suffix n-gram looked up (prompt lookup's usual 3-4)
     ngram_min: int = 1  # shortest suffix n-gram that may match
     ngram_branches: int = 3  # distinct continuations offered as branches of one tree
-    lookup_min_ngram: int = 3  # a model draft that copies spans (half+ngram) copies after suffix n-grams this long
-                               # (specsplit.lookup.LOOKUP_MIN_NGRAM)
+    lookup_min_ngram: int = LOOKUP_MIN_NGRAM  # a draft that copies spans (half+ngram) copies after suffix n-grams this long
     model_top_k: int = 2  # children per expanded node in the model drafter's tree
     model_depth: int = 6  # draft forwards per tree
     # Width-adaptive trees (DraftTree): see draft_service/growth.py
