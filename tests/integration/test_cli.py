@@ -63,7 +63,7 @@ def test_help_teaches():
     out = cli("generate", "--help")
     assert "--draft" in out.stdout and "--json" in out.stdout
     text = " ".join(out.stdout.split())  # argparse wraps lines
-    assert "half (the target's own weights in float16" in text and "--draft-threads" in text
+    assert "half (the target's own weights at the 16-bit precision measured fastest" in text and "--draft-threads" in text
 
 
 def _serve(*args):
