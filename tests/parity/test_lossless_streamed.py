@@ -39,16 +39,19 @@ def test_draft_equals_target(target, trigger, provisional):
     config = OrchestratorConfig(trigger=trigger, provisional_max=provisional, fixed_tree_nodes=6, tree_max_nodes=24,
                                 share_estimates=False)
     with start_stack(target, [ModelProposer(same, DraftConfig())], orchestrator_config=config) as stack:
-        kept = 0
+        kept = whole = rounds = 0
         for prompt in PROMPTS:
             tokens, stats = run(stack, prompt, 48)
             assert tokens == hf_greedy(target.model, prompt, 48)
             drafted = [s for s in stats if s.num_draft_tokens]
             assert drafted and all(s.drafter == "model" for s in drafted)
-            # the whole greedy branch accepted (goodput may let the target decode alone between drafted rounds:
-            # on this tiny model a plain round is faster than a drafted one)
-            assert sum(s.num_committed for s in drafted) / len(drafted) > 2
+            # the whole greedy branch accepted, plus the bonus token (goodput may let the target decode alone
+            # between drafted rounds, and verify one-node trees: on this tiny model a draft step costs a target one)
+            assert all(s.num_committed >= 2 for s in drafted)
+            whole += sum(s.num_accepted == s.tree_depth for s in drafted)
+            rounds += len(drafted)
             kept += sum(s.provisional_kept for s in stats)
+        assert whole >= 0.8 * rounds  # a side branch may grow deeper than the greedy chain now and then
         if provisional:
             assert kept > 0  # provisional tokens continued the committed path and seeded trees
         else:
