@@ -156,9 +156,9 @@ class GrowthRound:
             leaf = self.leaf = node
             yield GrowthStep(node, (tree.token_ids[node],), (tree.parents[node],), (tree.draft_probs[node],),
                              provisional=True)
-        start = time.perf_counter()
         drafted = len(ahead)
         while drafted < provisional_max and leaf >= 0 and not control.closed:
+            start, ran = time.perf_counter(), leaf not in self._last_rows  # a step with no forward reports 0 ms
             row = self._last_rows[leaf] if leaf in self._last_rows else self._logits([leaf])[0]  # [V']
             # A copied span (prompt lookup) whose first token the model drafts too: sent at once, then one
             # forward over all of it before drafting on. The model's agreement screens out chance matches.
@@ -168,10 +168,9 @@ class GrowthRound:
                 leaf = self.leaf = tree.add(leaf, t, self._prob if i == 0 else LOOKUP_PROB)
             drafted += len(copied)
             yield GrowthStep(first, tuple(copied), tuple(tree.parents[first:]), tuple(tree.draft_probs[first:]),
-                             provisional=True, draft_ms=(time.perf_counter() - start) * 1e3)
+                             provisional=True, draft_ms=(time.perf_counter() - start) * 1e3 if ran else 0.0)
             if len(copied) > 1:
                 self._logits(list(range(first, len(tree))))
-            start = time.perf_counter()
 
     def _agreed_copy(self, leaf: int, limit: int, row: torch.Tensor | None = None) -> list[int]:
         """The lookup's continuation after ``leaf`` (-1: the root), at most ``limit`` tokens, if it is longer than

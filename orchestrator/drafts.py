@@ -247,8 +247,10 @@ class DraftMixin:
         committed = list(verdict.committed_token_ids)
         accepted = len(verdict.accepted_nodes)
         provisional: list[tuple[int, float]] = []  # [P] (token, draft prob) drafted from the leaf meanwhile
+        under: list[float] = []  # ms of each draft forward the draft ran during the verification
         try:
             arrived = stream.ready() if stream is not None else []
+            under = [s.draft_ms for s in arrived if s.provisional and s.draft_ms > 0]
             if not ahead or _draft_seeded(arrived, tree.token_ids):  # else the draft went on from another leaf
                 provisional = [(t, q) for s in arrived if s.provisional for t, q in zip(s.token_ids, s.draft_probs)]
         except RpcError:
@@ -258,6 +260,9 @@ class DraftMixin:
         path = tree.path_to(leaf) if leaf >= 0 else []
         route = [(tree.token_ids[n], tree.draft_probs[n]) for n in path] + provisional
         kept = reconcile_provisional(committed, [t for t, _ in route])
+        # Provisional drafting followed the committed path, bonus token included (with a verification ~2 draft forwards
+        # long it often has nothing past it to keep, yet the pipeline works: the draft is already on the right path).
+        followed = bool(committed) and [t for t, _ in route[: len(committed)]] == committed
         if kept:
             session.ahead = route[len(route) - len(kept):]
         if accepted:
@@ -269,8 +274,8 @@ class DraftMixin:
         trigger.observe(RoundOutcome(
             num_drafted=len(branch), num_accepted=accepted,
             confidences=tuple(tree.confidence[n] for n in branch), committed=len(committed), round_ms=round_ms,
-            draft_steps=steps, draft_ms=step_ms, plain=max_nodes == 0, copied=copied, pipelined_next=bool(session.ahead),
-            verify_ms=getattr(timing, "call_ms", 0.0) or 0.0))
+            draft_steps=steps, draft_ms=step_ms, plain=max_nodes == 0, copied=copied, pipelined_next=followed,
+            verify_ms=getattr(timing, "call_ms", 0.0) or 0.0, provisional_steps=len(under), provisional_ms=sum(under)))
         wasted = len(tree) - accepted + len(provisional) - min(len(kept), len(provisional))
         return TreeRound(token_tree, draft_ms if len(tree) else None, verdict, timing, wasted, seeded)
 

@@ -18,7 +18,9 @@ How α moves is the policy:
   have their own measured rate, and the round type with the higher one is used (switching only for a
   5% better rate), the other probed once after ``probe_every`` rounds (the gap doubling, up to ``probe_max``,
   while probes confirm the choice), so a draft that does not pay (a
-  weak draft next to a fast verifier) costs no more than plain decoding.
+  weak draft next to a fast verifier) costs no more than plain decoding. With pipelined verification
+  (provisional drafting that follows the committed path) a tree first grows to what the draft makes
+  during one verification (``pipeline_nodes``: those forwards run while the verifier works), then α rules.
 - ``FixedSize``: verify once the tree has ``size`` nodes (the comparison baseline).
 
 All three are pure and driven by ``observe(RoundOutcome)``.
@@ -35,10 +37,11 @@ ALPHA_MIN = 1e-6  # α never reaches 0 (then T < α could never fire and only th
 # forward delays the next round (measured with the trained draft_lm, accepted whole ~20% of the time:
 # provisional generation cost 5-10% of tokens/s, bench/results/network_draft_lm.md).
 PROVISIONAL_MIN_CHANCE = 0.3
-# Pipelined verification (OrchestratorConfig.pipeline): while at least this share of drafted rounds keep their
-# provisional tokens, the goodput trigger verifies a tree once it holds what the draft makes during one
-# verification (GoodputThreshold.pipeline_nodes), letting the draft supply the next tree while the verifier
-# works, instead of pricing each draft forward as if the verifier waited for it (the α rule).
+# Pipelined verification (OrchestratorConfig.pipeline): while at least this share of drafted rounds' provisional
+# drafting follows the committed path (RoundOutcome.pipelined_next), the goodput trigger lets a tree grow to what the
+# draft makes during one verification (GoodputThreshold.pipeline_nodes) before the α rule may stop it: those nodes
+# come while the verifier works, so pricing each of their forwards as if the verifier waited for it would cut
+# trees short.
 PIPELINE_MIN_SHARE = 0.5
 
 
@@ -57,9 +60,11 @@ class RoundOutcome:
     draft_steps: int  # draft forwards until the trigger
     draft_ms: float  # draft forward time until the trigger, as the draft measured it
     plain: bool = False  # nothing was drafted: the target decoded alone (a decode burst: committed >= 1)
-    pipelined_next: bool = False  # provisional tokens were kept: the next round may verify them at once
+    pipelined_next: bool = False  # provisional drafting followed the committed path: what it made past it is kept
     verify_ms: float = 0.0  # the verification call as the orchestrator saw it (network included)
     copied: bool = False  # the tree was a span prompt lookup copied, no draft involved: says nothing of the draft
+    provisional_steps: int = 0  # draft forwards during the verification (provisional drafting) that arrived in time
+    provisional_ms: float = 0.0  # their time as the draft measured it
 
 
 @dataclass
@@ -121,7 +126,7 @@ class GoodputThreshold:
     ema: float = 0.3  # weight of a new measurement
     rate: float = 0.0  # committed tokens per ms, decayed (0: not measured yet)
     step_ms: float = 0.0  # one draft forward, ms, decayed
-    gamma: float = 1.0  # P(branch accepted) = confidence^gamma, decayed fit
+    gamma: float = 1.0  # P(branch accepted) = confidence^gamma, decayed fit (geometric mean)
     gamma_range: tuple[float, float] = (0.02, 8.0)
     fitted: bool = False  # gamma has seen an outcome
     # Drafted vs target-only rounds: decayed sums of committed tokens and of round ms for each kind, so each
@@ -136,10 +141,15 @@ class GoodputThreshold:
     probe_max: int = 64  # each probe that confirms the choice doubles the gap, up to this (a flip resets it)
     probe_gap: int = 0  # the gap now (0: probe_every)
     since_probe: int = 0  # rounds since the last probe (or since the start)
-    # Decayed share of drafted rounds whose provisional tokens were kept for the next one (make_trigger starts it
+    # Decayed share of drafted rounds whose provisional drafting followed the committed path (make_trigger starts it
     # at PIPELINE_MIN_SHARE when pipelining is on, so the first tree is verified at once and the draft goes on).
     pipelined: float = 0.0
     verify_ms: float = 0.0  # a verification call incl. network, decayed
+    # A draft forward during a verification (provisional drafting), decayed: what pipeline_nodes divides by. Not
+    # step_ms: with pipelining every round may be seeded by kept tokens, so no growth forward is ever timed (measured:
+    # step_ms stayed unmeasured through a whole RTT-50 run and pipelined trees stayed at 1 node), and where draft and
+    # verifier share cores a forward under a verification is slower than one between them.
+    verify_step_ms: float = 0.0
     # The next drafted round is the first since target-only rounds or since the session started: the draft
     # first catches up on the tokens it skipped (or waits for its prompt's prefill), a cost steady drafting
     # never pays, so that round is not measured and a probe of drafting lasts one round more. (Measured: the
@@ -148,19 +158,26 @@ class GoodputThreshold:
     resync: bool = False
 
     def should_verify(self, confidence: float, num_nodes: int) -> bool:
-        """T < α; but while drafted rounds usually keep their provisional tokens (pipelined: the draft drafts
-        the branch on during each verification, and the kept tokens are the next tree), once the tree has
-        ``pipeline_nodes`` nodes: the α rule prices a draft forward as if the verifier waited for it."""
+        """T < α. While drafted rounds' provisional drafting usually follows the committed path (pipelined: the
+        draft drafts the branch on during each verification, and what it made is the next tree's start), also
+        not before the tree has ``pipeline_nodes`` nodes: up to there a node costs the verifier nothing (the
+        draft makes it while the previous tree is verified), past it the α rule prices each draft forward. And
+        in that mode, at once when the best branch is unlikely to be accepted whole (not ``provisional_worth``):
+        drafting on from a token the target will probably reject is waste."""
         if self.pipelined >= PIPELINE_MIN_SHARE:
-            return num_nodes >= self.pipeline_nodes()
+            priced = self.rate > 0 and self.step_ms > 0  # α is measured (before: EdgeLLM's start, far too low)
+            return (num_nodes >= self.pipeline_nodes() and (confidence < self.alpha or not priced)) or \
+                not self.provisional_worth(confidence)
         return confidence < self.alpha
 
     def pipeline_nodes(self) -> int:
         """A pipelined tree's size: as many tokens as the draft makes during one verification (its call time
-        over a draft forward's), so that neither side waits long for the other. Before both are measured: 1."""
-        if self.verify_ms <= 0 or self.step_ms <= 0:
+        over a draft forward's under a verification; a growth forward's until one is measured), so that neither
+        side waits long for the other. Before both are measured: 1."""
+        step_ms = self.verify_step_ms or self.step_ms
+        if self.verify_ms <= 0 or step_ms <= 0:
             return 1
-        return max(1, math.ceil(self.verify_ms / self.step_ms))
+        return max(1, math.ceil(self.verify_ms / step_ms))
 
     def provisional_worth(self, branch_confidence: float) -> bool:
         """Draft provisionally from the sent branch only if it is accepted whole often enough: the chance
@@ -214,9 +231,14 @@ class GoodputThreshold:
             self.step_ms = self._mix(self.step_ms, outcome.draft_ms / outcome.draft_steps)
         if outcome.verify_ms > 0:
             self.verify_ms = self._mix(self.verify_ms, outcome.verify_ms)
+        if outcome.provisional_steps > 0 and outcome.provisional_ms > 0:
+            self.verify_step_ms = self._mix(self.verify_step_ms, outcome.provisional_ms / outcome.provisional_steps)
         if outcome.confidences:
             fit = fit_gamma(outcome.confidences, outcome.num_accepted, self.gamma_range)
-            self.gamma = (1 - self.ema) * self.gamma + self.ema * fit
+            # γ is a scale (an exponent): averaged geometrically, so one rejected round of a draft far better than
+            # its probabilities (γ ~0.02) moves it to ~0.1, not to ~2.4 (measured with the half draft: the
+            # arithmetic mean made the next trees one node long).
+            self.gamma = math.exp((1 - self.ema) * math.log(self.gamma) + self.ema * math.log(fit))
             self.fitted = True
         self._set_alpha()
 

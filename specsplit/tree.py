@@ -215,7 +215,8 @@ class GrowthStep:
     provisional: bool = False  # drafted while the tree's first nodes were being verified
     done: bool = False  # the tree stopped growing
     seeded: int = 0  # of these, last round's kept provisional tokens
-    draft_ms: float = 0.0
+    draft_ms: float = 0.0  # the draft forward behind this step (0: none ran for it, e.g. a provisional token whose
+                           # row an earlier forward had computed)
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,9 @@ def test_verdict_mid_provisional_forward_then_kept(model):
     # forwards follow, the last one in flight when the verdict arrives: its token is kept too.
     assert [s.first for s in provisional] == [3, 4, 5, 6]  # numbering restarts after the verified nodes
     assert tokens_of(provisional) == greedy[3:7]
+    # Each step reports the forward behind it (the orchestrator sizes pipelined trees by them); the first one's
+    # row came from the growth forward, so it reports none.
+    assert provisional[0].draft_ms == 0 and all(s.draft_ms > 0 for s in provisional[1:])
     # The verifier accepted all 3 and its bonus token is greedy[3]: the next round commits 4 tokens.
     committed = PROMPT + greedy[:4]
     session = proposer._sessions["s"]
@@ -165,6 +168,8 @@ def test_copied_span_is_sent_at_once_then_the_model_drafts_on(model):
     provisional = copied_round(proposer, "s", greedy[2:7], greedy[:2], 9)  # the target's own next 5 tokens
     assert [len(s.token_ids) for s in provisional] == [5, 1, 1, 1, 1]
     assert tokens_of(provisional) == greedy[2:11]  # the model continues HF greedy after the copied span
+    # the token after the span came from the forward over the span: no forward of its own, so no time reported
+    assert provisional[1].draft_ms == 0 and all(s.draft_ms > 0 for s in provisional[2:])
     assert proposer._sessions["s"].path_tokens == greedy[:11]
 
     wrong = [(greedy[2] + 1) % 300, *greedy[3:7]]  # a chance match: its first token is not the model's

@@ -73,6 +73,18 @@ def test_goodput_trusts_a_draft_that_beats_its_confidence():
     assert good.gamma < 1 < bad.gamma and good.alpha < bad.alpha
 
 
+def test_goodput_gamma_is_averaged_geometrically():
+    """A draft far better than its probabilities (all accepted: γ at its floor) keeps a small γ after one rejected
+    round; an arithmetic mean would jump to ~2.4 and price its next trees as a weak draft's."""
+    t = GoodputThreshold()
+    for _ in range(20):
+        t.observe(outcome(4, 4, confidences=[0.6, 0.3, 0.2, 0.1]))
+    before = t.gamma
+    assert before == pytest.approx(0.02, rel=0.01)
+    t.observe(outcome(3, 0, confidences=[0.5, 0.2, 0.1]))  # one round that fits γ = 8
+    assert t.gamma == pytest.approx(before ** 0.7 * 8 ** 0.3, rel=1e-6) and t.gamma < 0.2
+
+
 def test_goodput_drafts_provisionally_only_behind_a_branch_likely_accepted_whole():
     right, wrong = GoodputThreshold(), GoodputThreshold()
     assert right.provisional_worth(0.5) and wrong.provisional_worth(0.5)  # nothing measured yet: try it
@@ -84,17 +96,21 @@ def test_goodput_drafts_provisionally_only_behind_a_branch_likely_accepted_whole
     assert FixedSize(4).provisional_worth(0.01) and EdgeLLMThreshold().provisional_worth(0.01)
 
 
-def test_goodput_verifies_at_once_while_provisional_tokens_are_kept():
+def test_goodput_pipelined_while_provisional_drafting_follows_the_committed_path():
     t = make_trigger("goodput", pipeline=True)
     assert t.should_verify(0.99, 1)  # before anything is measured: verify, and let the draft go on meanwhile
-    kept = RoundOutcome(3, 3, (0.5, 0.3, 0.2), 4, 80.0, 0, 0.0, pipelined_next=True)
+    # 3 draft forwards of 20 ms under each 60 ms verification: pipelined trees of at least 3 nodes
+    kept = RoundOutcome(3, 3, (0.5, 0.3, 0.2), 4, 80.0, 0, 0.0, pipelined_next=True, verify_ms=60.0,
+                        provisional_steps=3, provisional_ms=60.0)
     dropped = RoundOutcome(3, 1, (0.5, 0.3, 0.2), 2, 80.0, 3, 60.0, pipelined_next=False)
     for _ in range(4):
         t.observe(dropped)
     assert not t.should_verify(0.99, 1) and t.should_verify(t.alpha / 2, 1)  # provisional tokens lost: α rules
     for _ in range(4):
         t.observe(kept)
-    assert t.should_verify(0.99, 1)
+    assert t.pipeline_nodes() == 3
+    assert not t.should_verify(t.alpha / 2, 2)  # below the pipelined size: grown on, though T < α
+    assert t.should_verify(t.alpha / 2, 3) and not t.should_verify(0.99, 3)  # then α rules
     assert not make_trigger("goodput", pipeline=False).should_verify(0.99, 1)  # no pipelining: α from the start
 
 
@@ -108,6 +124,43 @@ def test_goodput_pipelined_trees_hold_what_the_draft_makes_during_one_verificati
     for _ in range(10):  # a farther verifier (the network's round trip in the call): deeper pipelined trees
         t.observe(RoundOutcome(5, 5, (0.5,) * 5, 6, 100.0, 5, 90.0, pipelined_next=True, verify_ms=190.0))
     assert t.pipeline_nodes() == 11
+
+
+def test_goodput_pipelined_trees_sized_by_forwards_under_a_verification():
+    """Pipelined rounds are seeded by kept tokens, so they may time no growth forward at all: the draft's forwards
+    during the verification size the trees (and where draft and verifier share cores, those are the slower ones)."""
+    t = make_trigger("goodput", pipeline=True)
+    seeded = RoundOutcome(3, 3, (0.9,) * 3, 4, 200.0, 0, 0.0, pipelined_next=True, verify_ms=200.0,
+                          provisional_steps=3, provisional_ms=150.0)  # 50 ms a forward under a 200 ms verification
+    for _ in range(10):
+        t.observe(seeded)
+    assert t.step_ms == 0 and t.pipeline_nodes() == 4
+    grown = RoundOutcome(3, 3, (0.9,) * 3, 4, 200.0, 2, 40.0, pipelined_next=True, verify_ms=200.0,
+                         provisional_steps=3, provisional_ms=150.0)  # growth forwards of 20 ms (cores to itself)
+    for _ in range(10):
+        t.observe(grown)
+    assert t.step_ms == pytest.approx(20.0) and t.pipeline_nodes() == 4
+
+
+def test_goodput_pipelined_trees_grow_past_the_pipelined_size_while_alpha_says_so():
+    """Past pipeline_nodes a draft forward delays the verification, so the α rule prices it: a draft always
+    right (γ at its floor) with cheap forwards next to a slow round grows confident trees deeper."""
+    t = make_trigger("goodput", pipeline=True)
+    for _ in range(10):  # forwards of 10 ms, calls of 20 ms: 2 nodes per verification; 5 tokens per 500 ms
+        t.observe(RoundOutcome(4, 4, (0.9, 0.8, 0.7, 0.6), 5, 500.0, 4, 40.0, pipelined_next=True, verify_ms=20.0))
+    assert t.pipeline_nodes() == 2 and t.alpha < 0.01
+    assert not t.should_verify(0.5, 1)  # below the pipelined size
+    assert not t.should_verify(0.5, 3)  # past it, but still worth a forward more
+    assert t.should_verify(t.alpha / 2, 3)
+
+
+def test_goodput_pipelined_tree_sent_early_when_its_branch_will_likely_be_rejected():
+    t = make_trigger("goodput", pipeline=True)
+    for _ in range(10):  # a calibrated draft (gamma ~1) that makes 5 tokens per verification
+        t.observe(RoundOutcome(2, 1, (0.8, 0.4), 2, 100.0, 2, 36.0, pipelined_next=True, verify_ms=90.0))
+    assert t.pipeline_nodes() == 5 and 0.5 < t.gamma < 2
+    assert not t.should_verify(0.9, 2)  # a likely branch: grown to the pipelined size
+    assert t.should_verify(0.05, 2)  # an unlikely one: verified now, not drafted on
 
 
 def test_make_trigger():
