@@ -164,10 +164,10 @@ class GoodputThreshold:
         for it), or sooner once its best branch is unlikely to be accepted whole (not ``provisional_worth``):
         drafting on from a token the target will probably reject is waste.
 
-        (Tried: the α rule past ``pipeline_nodes``. Across a network, draft and verifier on their own cores,
-        within noise of this (goodput / fixed-4 at RTT 0 and 100: 1.03x / 0.96x vs 1.02x / 0.93x before these
-        changes); with draft and verifier sharing two cores (``specsplit generate --draft half``), trees grew
-        long while a core idled: chat 0.97x of HF greedy against 1.15x with this rule.)"""
+        (Tried on the AVX2 CPU of README "With the half draft": the α rule past ``pipeline_nodes``. With draft and
+        verifier on their own cores it ran within that machine's noise of this rule; sharing two cores
+        (``specsplit generate --draft half``), trees grew long while a core idled: chat 0.97x of HF greedy
+        against 1.15x with this rule.)"""
         if self.pipelined >= PIPELINE_MIN_SHARE:
             return num_nodes >= self.pipeline_nodes() or not self.provisional_worth(confidence)
         return confidence < self.alpha
