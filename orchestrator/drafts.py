@@ -21,7 +21,7 @@ from orchestrator.trigger import RoundOutcome, make_trigger, tree_confidence
 from specsplit.errors import FailedPrecondition, InvalidArgument
 from specsplit.growth import GrowingTree, best_leaf
 from specsplit.lookup import COPY_BRIDGE_ROUNDS, LOOKUP_PROB, SpanLookup, span_hits, use_span
-from specsplit.provisional import reconcile_provisional
+from specsplit.provisional import follows, reconcile_provisional
 from specsplit.rpc import DraftInfo, RpcError
 from specsplit.tree import TokenTree, union_trees
 
@@ -259,10 +259,11 @@ class DraftMixin:
             session.copy_hits = span_hits(session.copy_hits, span, committed)
         path = tree.path_to(leaf) if leaf >= 0 else []
         route = [(tree.token_ids[n], tree.draft_probs[n]) for n in path] + provisional
-        kept = reconcile_provisional(committed, [t for t, _ in route])
+        route_ids = [t for t, _ in route]  # [R]
+        kept = reconcile_provisional(committed, route_ids)
         # Provisional drafting followed the committed path, bonus token included (with a verification ~2 draft forwards
         # long it often has nothing past it to keep, yet the pipeline works: the draft is already on the right path).
-        followed = bool(committed) and [t for t, _ in route[: len(committed)]] == committed
+        followed = follows(committed, route_ids)
         if kept:
             session.ahead = route[len(route) - len(kept):]
         if accepted:

@@ -11,16 +11,19 @@ dropped. Both the draft (to reuse its KV cache) and the orchestrator (to count) 
 from __future__ import annotations
 
 
-def reconcile_provisional(committed_tokens: list[int], provisional_tokens: list[int]) -> list[int]:
-    """The provisional tokens kept after ``committed_tokens``: the rest of the path if the committed
-    tokens are its prefix, else none.
+def follows(committed_tokens: list[int], provisional_tokens: list[int]) -> bool:
+    """The committed tokens are a prefix of the provisional path (which may end with them).
 
     committed_tokens: [C] this round's committed tokens (accepted + recovered/bonus).
     provisional_tokens: [P] the provisional path from the root (best branch, then provisional tokens).
     """
     n = len(committed_tokens)
-    if n == 0 or len(provisional_tokens) <= n:
+    return n > 0 and list(provisional_tokens[:n]) == list(committed_tokens)
+
+
+def reconcile_provisional(committed_tokens: list[int], provisional_tokens: list[int]) -> list[int]:
+    """The provisional tokens kept after ``committed_tokens`` ([C]): the rest of the path ([P]) if the
+    committed tokens are its prefix (``follows``), else none."""
+    if not follows(committed_tokens, provisional_tokens):
         return []
-    if list(provisional_tokens[:n]) != list(committed_tokens):
-        return []
-    return list(provisional_tokens[n:])
+    return list(provisional_tokens[len(committed_tokens):])

@@ -1,6 +1,6 @@
 """Keep/drop of provisional tokens (the rule the draft and the orchestrator share)."""
 
-from specsplit.provisional import reconcile_provisional
+from specsplit.provisional import follows, reconcile_provisional
 
 
 def test_kept_when_committed_runs_along_the_path():
@@ -18,3 +18,12 @@ def test_nothing_left_to_keep():
     assert reconcile_provisional([5, 6, 7, 8], [5, 6]) == []
     assert reconcile_provisional([], [5, 6]) == []
     assert reconcile_provisional([5], []) == []
+
+
+def test_follows_also_when_nothing_is_left_past_the_committed_tokens():
+    # the draft's one provisional token was the bonus token: it followed the path, though nothing is kept
+    assert follows([5, 6, 7, 8], [5, 6, 7, 8]) and reconcile_provisional([5, 6, 7, 8], [5, 6, 7, 8]) == []
+    assert follows([5, 6, 7, 8], [5, 6, 7, 8, 9])
+    assert not follows([5, 6, 7, 3], [5, 6, 7, 8, 9])  # bonus differs from the provisional token
+    assert not follows([5, 6, 7, 8], [5, 6, 7])  # the path ended before the bonus token (no provisional drafting)
+    assert not follows([], [5, 6])
