@@ -7,6 +7,13 @@ On an AVX2-only EPYC (no 16-bit matrix units; 1 thread, /tmp/probe*.py of the 20
 float32 174 ms, float16 108 ms, bfloat16 94 ms; a 165-token prompt float32 1.0 s, float16 4.8 s, bfloat16
 5.4 s. So the half draft times each candidate once at start and keeps the fastest for each kind of forward.
 Whatever it picks, the output is unchanged: the target verifies in its own dtype.
+
+On a CPU, a Llama-architecture target's copies run the lean forward (draft_service/lean.py): weights in the
+candidate dtype, activations and one shared KV cache in float32, so the step and many-token copies never
+cast the cache. Measured on the AVX2 EPYC (1 thread, SmolLM2, a step on a 200-token cache, medians of six
+interleaved rounds, /tmp/probe/cmp.py of the 2026-11-30 fourth session): Hugging Face bfloat16 86 ms; lean
+float32 99, bfloat16 68, float16 64 ms; greedy agreement with the float32 target over 384 chat positions
+bfloat16 99.0%, float16 100%.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from draft_service import lean
 from specsplit import kvcache
 from specsplit.runner import ModelRunner
 
@@ -47,12 +55,16 @@ def calibrate(model, threads: int = 0, step_dtypes=STEP_DTYPES, many_dtypes=MANY
               repeats: int = 3) -> tuple[dict, Calibration]:
     """Copies of ``model`` in each candidate dtype, timed on this machine with ``threads`` torch threads (the
     draft's own). Returns ({dtype: model} holding the chosen ones only, the calibration). A single step
-    candidate is taken as given (not timed). On a GPU nothing is timed: float16 (or the one given) for both."""
+    candidate is taken as given (not timed). On a GPU nothing is timed: float16 (or the one given) for both.
+    On a CPU the copies of a model ``lean.supports`` are lean forwards (``weight_dtype`` = the candidate)."""
     if model.device.type != "cpu":
         dtype = step_dtypes[0] if len(step_dtypes) == 1 else torch.float16
         return {dtype: model if model.dtype == dtype else copy.deepcopy(model).to(dtype)}, Calibration(dtype, dtype, {}, {})
-    models = {dtype: model if model.dtype == dtype else copy.deepcopy(model).to(dtype)
-              for dtype in dict.fromkeys((*step_dtypes, *many_dtypes))}
+    if lean.supports(model):
+        models = {dtype: lean.LeanLlama(model, dtype) for dtype in dict.fromkeys((*step_dtypes, *many_dtypes))}
+    else:
+        models = {dtype: model if model.dtype == dtype else copy.deepcopy(model).to(dtype)
+                  for dtype in dict.fromkeys((*step_dtypes, *many_dtypes))}
     timed = list(dict.fromkeys((*step_dtypes, *many_dtypes))) if len(step_dtypes) + len(many_dtypes) > 2 else []
     runner = ModelRunner("calibrate", threads)
     try:
@@ -66,6 +78,11 @@ def calibrate(model, threads: int = 0, step_dtypes=STEP_DTYPES, many_dtypes=MANY
     calibration = Calibration(step, many, step_ms, many_ms)
     log.info("half draft: %s", calibration.describe())
     return {d: models[d] for d in (step, many)}, calibration
+
+
+def weight_dtype(model) -> torch.dtype:
+    """The dtype a draft copy keeps its weights in (a lean forward computes in float32 whatever they are)."""
+    return getattr(model, "weight_dtype", model.dtype)
 
 
 def _time(model, repeats: int) -> tuple[float, float]:

@@ -8,7 +8,42 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 
-def new_cache(model: PreTrainedModel) -> DynamicCache:
+class LeanCache:
+    """A preallocated KV cache for ``draft_service.lean.LeanLlama``: rows are written in place, and its storage
+    grows by doubling, so a step copies nothing but its own new rows.
+
+    keys, values: [L, H_kv, capacity, D]; rows ``[0, length)`` hold the cached positions."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device):
+        self.shape = (num_layers, num_kv_heads, 0, head_dim)
+        self.keys = torch.empty(self.shape, dtype=dtype, device=device)  # [L, H_kv, 0, D]
+        self.values = torch.empty(self.shape, dtype=dtype, device=device)  # [L, H_kv, 0, D]
+        self.length = 0
+
+    def reserve(self, length: int) -> None:
+        """Room for ``length`` rows (the first ``self.length`` kept)."""
+        capacity = self.keys.shape[2]
+        if length <= capacity:
+            return
+        capacity = max(length, 2 * capacity, 256)
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_empty((old.shape[0], old.shape[1], capacity, old.shape[3]))  # [L, H_kv, capacity, D]
+            new[:, :, :self.length] = old[:, :, :self.length]
+            setattr(self, name, new)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep the given rows ([N], ascending), in order, as rows ``[0, N)``. (Under inference mode: the storage
+        was made by forwards under it, and a compaction may run on another thread, outside it.)"""
+        with torch.inference_mode():
+            self.keys[:, :, :len(rows)] = self.keys.index_select(2, rows)  # [L, H_kv, N, D]
+            self.values[:, :, :len(rows)] = self.values.index_select(2, rows)  # [L, H_kv, N, D]
+        self.length = len(rows)
+
+
+def new_cache(model: PreTrainedModel) -> DynamicCache | LeanCache:
+    if hasattr(model, "new_cache"):  # a lean forward's own cache
+        return model.new_cache()
     return DynamicCache(config=model.config)
 
 
@@ -18,7 +53,9 @@ def cache_kwarg(model: PreTrainedModel) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def cache_length(cache: DynamicCache) -> int:
+def cache_length(cache: DynamicCache | LeanCache) -> int:
+    if isinstance(cache, LeanCache):
+        return cache.length
     return cache.get_seq_length()
 
 
@@ -32,6 +69,11 @@ def compact(cache: DynamicCache, keep_from: int, rows_to_keep: tuple[int, ...]) 
     if rows_to_keep == tuple(range(len(rows_to_keep))):
         truncate(cache, keep_from + len(rows_to_keep))
         return
+    if isinstance(cache, LeanCache):
+        device = cache.keys.device
+        cache.keep(torch.cat([torch.arange(keep_from, device=device),
+                              keep_from + torch.tensor(rows_to_keep, device=device)]))  # [keep_from + R]
+        return
     for layer in cache.layers:
         device = layer.keys.device
         keep = torch.cat(
@@ -43,6 +85,9 @@ def compact(cache: DynamicCache, keep_from: int, rows_to_keep: tuple[int, ...]) 
 
 def truncate(cache: DynamicCache, length: int) -> None:
     """Keep the first ``length`` positions of every layer."""
+    if isinstance(cache, LeanCache):
+        cache.length = min(cache.length, length)
+        return
     for layer in cache.layers:
         if layer.is_initialized and layer.keys.shape[-2] > length:
             layer.keys = layer.keys[..., :length, :]  # [B, H_kv, length, D]
@@ -50,7 +95,10 @@ def truncate(cache: DynamicCache, length: int) -> None:
 
 
 def cast(cache: DynamicCache, dtype: torch.dtype) -> None:
-    """Every layer's keys and values in ``dtype`` (for a forward by a copy of the model in another dtype)."""
+    """Every layer's keys and values in ``dtype`` (for a forward by a copy of the model in another dtype).
+    A lean cache stays in its models' shared compute dtype."""
+    if isinstance(cache, LeanCache):
+        return
     for layer in cache.layers:
         if layer.is_initialized and layer.keys.dtype != dtype:
             layer.keys = layer.keys.to(dtype)  # [B, H_kv, S, D]

@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from draft_service.dtypes import MANY_DTYPES, STEP_DTYPES, calibrate
+from draft_service.dtypes import MANY_DTYPES, STEP_DTYPES, calibrate, weight_dtype
 from orchestrator.trigger import GoodputThreshold
 from specsplit.client import Client
 from specsplit.config import DraftConfig, OrchestratorConfig
@@ -49,8 +49,8 @@ def test_half_draft_is_lossless(target, target_dir, trigger, drafter):
     proposer = make_proposer(drafter, device="cpu", target_model=str(target_dir),
                              config=DraftConfig(grow_width=1, threads=1))
     calibration = proposer.calibration  # the fastest dtypes measured here; any of them keeps the output exact
-    assert proposer.name == drafter and proposer.model.dtype == calibration.step_dtype
-    many = proposer.prefill_model.dtype if proposer.prefill_model is not None else proposer.model.dtype
+    assert proposer.name == drafter and weight_dtype(proposer.model) == calibration.step_dtype
+    many = weight_dtype(proposer.prefill_model if proposer.prefill_model is not None else proposer.model)
     assert many == calibration.many_dtype
     assert proposer.copies == (drafter == "half+ngram")
     config = OrchestratorConfig(trigger=trigger, fixed_tree_nodes=4, tree_max_nodes=16, share_estimates=False)
@@ -72,15 +72,15 @@ def test_calibration_keeps_the_fastest_measured_dtypes(target):
     assert calibration.step_dtype == min(calibration.step_ms, key=calibration.step_ms.get)
     assert calibration.many_dtype == min(calibration.many_ms, key=calibration.many_ms.get)
     assert set(models) == {calibration.step_dtype, calibration.many_dtype}
-    assert all(model.dtype == dtype for dtype, model in models.items())
+    assert all(weight_dtype(model) == dtype for dtype, model in models.items())
     assert target.model.dtype == torch.float32  # the target itself is never converted
     models, given = calibrate(target.model, threads=1, step_dtypes=(torch.float16,))
-    assert given.step_dtype == torch.float16 and given.step_ms == {} and models[torch.float16].dtype == torch.float16
+    assert given.step_dtype == torch.float16 and given.step_ms == {} and weight_dtype(models[torch.float16]) == torch.float16
 
 
 def test_draft_dtype_is_chosen(target_dir):
     (bf16,) = default_proposers("half", None, "cpu", "float32", target_model=str(target_dir), draft_dtype="bfloat16")
-    assert bf16.name == "half" and bf16.model.dtype == torch.bfloat16
+    assert bf16.name == "half" and weight_dtype(bf16.model) == torch.bfloat16
     (model,) = default_proposers("model", str(target_dir), "cpu", "float32", draft_dtype="float16")
     assert model.name == "model" and model.model.dtype == torch.float16
     (same,) = default_proposers("model", str(target_dir), "cpu", "float32")

@@ -1,0 +1,104 @@
+"""The draft's lean forward (draft_service/lean.py) computes what the Hugging Face forward computes.
+
+In float32 weights its logits match the Hugging Face model's to float rounding for a prompt, single steps
+and a tree-masked forward over its preallocated cache, and its cache's truncate/compact leave the rows a
+DynamicCache would keep. In 16-bit weights it is a draft: its greedy tokens mostly agree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draft_service import lean
+from specsplit import kvcache
+from tiny import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=3, layers=3).eval()
+
+
+def hf_logits(model, ids, positions=None, mask=None, cache=None):
+    key = kvcache.cache_kwarg(model)
+    with torch.inference_mode():
+        return model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                     **{key: cache}).logits[0]  # [Q, V]
+
+
+def lean_logits(draft, ids, positions=None, mask=None, cache=None):
+    with torch.inference_mode():
+        return draft(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache).logits[0]  # [Q, V]
+
+
+def tree_mask(allowed: torch.Tensor, dtype) -> torch.Tensor:
+    """allowed: [Q, S] bool -> [1, 1, Q, S] additive"""
+    return torch.where(allowed, torch.zeros((), dtype=dtype), torch.finfo(dtype).min)[None, None]
+
+
+def test_lean_matches_hugging_face_on_prompt_steps_and_a_tree(model):
+    draft = lean.LeanLlama(model, torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=generator)  # [1, 40]
+    hf_cache, lean_cache = kvcache.new_cache(model), draft.new_cache()
+    assert isinstance(lean_cache, kvcache.LeanCache)
+    # a 30-token prompt (the SDPA path), then two single steps (the grouped-matmul path)
+    torch.testing.assert_close(lean_logits(draft, ids[:, :30], cache=lean_cache),
+                               hf_logits(model, ids[:, :30], cache=hf_cache), atol=1e-4, rtol=1e-4)
+    for t in (30, 31):
+        torch.testing.assert_close(lean_logits(draft, ids[:, t:t + 1], cache=lean_cache),
+                                   hf_logits(model, ids[:, t:t + 1], cache=hf_cache), atol=1e-4, rtol=1e-4)
+    assert kvcache.cache_length(lean_cache) == kvcache.cache_length(hf_cache) == 32
+    # a tree of 4 nodes over the 32 cached rows: root children 0, 1; node 2 under 0; node 3 under 2
+    parents = [-1, -1, 0, 2]
+    allowed = torch.zeros(4, 36, dtype=torch.bool)  # [Q, S]
+    allowed[:, :32] = True
+    for node in range(4):  # each row sees itself and its ancestors
+        ancestor = node
+        while ancestor >= 0:
+            allowed[node, 32 + ancestor] = True
+            ancestor = parents[ancestor]
+    positions = torch.tensor([[32, 32, 33, 34]])  # [1, Q] depth after the last committed token
+    tree_ids = ids[:, 32:36]  # [1, 4]
+    expected = hf_logits(model, tree_ids, positions, tree_mask(allowed, torch.float32), hf_cache)
+    got = lean_logits(draft, tree_ids, positions, tree_mask(allowed, torch.float32), lean_cache)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    # keep the path 0 -> 2 -> 3: both caches hold the same rows after compaction, and continue alike
+    kvcache.compact(hf_cache, 32, (0, 2, 3))
+    kvcache.compact(lean_cache, 32, (0, 2, 3))
+    assert kvcache.cache_length(lean_cache) == kvcache.cache_length(hf_cache) == 35
+    torch.testing.assert_close(lean_logits(draft, ids[:, 36:37], cache=lean_cache),
+                               hf_logits(model, ids[:, 36:37], cache=hf_cache), atol=1e-4, rtol=1e-4)
+    kvcache.truncate(hf_cache, 20)
+    kvcache.truncate(lean_cache, 20)
+    torch.testing.assert_close(lean_logits(draft, ids[:, 20:38], cache=lean_cache),
+                               hf_logits(model, ids[:, 20:38], cache=hf_cache), atol=1e-4, rtol=1e-4)
+
+
+def test_lean_cache_grows_past_its_capacity(model):
+    draft = lean.LeanLlama(model, torch.float32)
+    cache = draft.new_cache()
+    ids = torch.randint(0, model.config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(1))
+    lean_logits(draft, ids[:, :250], cache=cache)
+    assert cache.keys.shape[2] >= 250
+    last = lean_logits(draft, ids[:, 250:300], cache=cache)[-1]  # past the first 256-row allocation
+    assert cache.length == 300 and cache.keys.shape[2] >= 300
+    torch.testing.assert_close(last, hf_logits(model, ids)[-1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lean_in_16_bit_weights_mostly_agrees(model, dtype):
+    draft = lean.LeanLlama(model, dtype)
+    assert draft.weight_dtype == dtype and draft.dtype == torch.float32  # float32 activations and cache
+    ids = torch.randint(0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(2))
+    agree = (lean_logits(draft, ids).argmax(-1) == hf_logits(model, ids).argmax(-1)).float().mean()
+    assert agree >= 0.8
+
+
+def test_lean_refuses_other_architectures(model):
+    config = model.config.to_dict()
+    other = type(model)(type(model.config)(**{**config, "attention_bias": True}))
+    assert lean.supports(model) and not lean.supports(other)
+    with pytest.raises(ValueError, match="Llama-architecture"):
+        lean.LeanLlama(other)
