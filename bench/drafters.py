@@ -80,6 +80,7 @@ class Result:
     draft_ms_per_round: float = 0.0  # mean draft_ms over rounds that drafted
     feature_bytes_per_round: float = 0.0
     identical: bool = True  # token ids equal to hf_greedy's
+    verify_ms_per_round: float = 0.0  # mean verify_ms (call time: the verifier's forward + the wire) over rounds that drafted
 
 
 # -- HF in a child process (one OpenMP team per process) ---------------------------------------------
@@ -180,7 +181,7 @@ def result_of(p: dict, method: str, tokens: list[int], seconds: float, rounds: i
                   accept_by_depth(stats),
                   statistics.mean(s.draft_ms for s in drafted) if drafted else 0.0,
                   sum(s.feature_bytes for s in stats) / rounds if stats else 0.0,
-                  tokens == base)
+                  tokens == base, statistics.mean(s.verify_ms for s in drafted) if drafted else 0.0)
 
 
 def bench_prompt(p: dict, methods: list[str], target, hf: HFWorker, client: Client, args) -> list[Result]:
@@ -211,8 +212,8 @@ def markdown(results: list[Result], methods: list[str], skipped: dict[str, str],
               (" (random-init: plumbing smoke, not drafting quality)" if args.random_init else ""), ""]
     if skipped:
         lines += ["Skipped: " + "; ".join(f"{m} ({why})" for m, why in skipped.items()), ""]
-    lines += ["| kind | method | prompts | speedup | tok/s | tau | accept@1..4 | draft ms/round | feature bytes/round "
-              "| identical |", "|---|---|--:|--:|--:|--:|---|--:|--:|---|"]
+    lines += ["| kind | method | prompts | speedup | tok/s | tau | accept@1..4 | draft ms/round | verify ms/round "
+              "| feature bytes/round | identical |", "|---|---|--:|--:|--:|--:|---|--:|--:|--:|---|"]
     kinds = list(dict.fromkeys(r.kind for r in results))
     for kind in kinds + ["all"]:
         for method in ["hf_greedy", *methods]:
@@ -226,6 +227,7 @@ def markdown(results: list[Result], methods: list[str], skipped: dict[str, str],
             lines.append(f"| {kind} | {method} | {len(sel)} | {geomean([r.speedup for r in sel]):.2f}x | "
                          f"{statistics.mean(r.tokens_per_s for r in sel):.1f} | {statistics.mean(r.tau for r in sel):.2f} | "
                          f"{' '.join(depth)} | {statistics.mean(r.draft_ms_per_round for r in sel):.1f} | "
+                         f"{statistics.mean(r.verify_ms_per_round for r in sel):.1f} | "
                          f"{statistics.mean(r.feature_bytes_per_round for r in sel):.0f} | "
                          f"{'yes' if all(r.identical for r in sel) else 'NO'} |")
     return "\n".join(lines) + "\n"

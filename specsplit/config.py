@@ -26,6 +26,9 @@ class VerifierConfig:
     # A Verify may ask the target to decode alone this many more tokens (a burst, one tick each); its
     # answer waits for all of them, so the cap bounds how long one request holds its stream back.
     max_decode_steps: int = 64
+    # torch CPU threads of the verifier's forwards (0: the process's). Beside a draft on the same cores,
+    # the embedded stack gives it the cores the draft leaves (specsplit.launch.colocated_threads).
+    threads: int = 0
 
     def validate(self) -> None:
         if self.max_batch < 1 or self.max_sessions < 1:

@@ -75,7 +75,7 @@ class TargetEngine:
         cfg = self.config
         self._eos = frozenset(self.eos_token_ids)  # a decode burst stops after one of these
         self._scheduler = Scheduler(self._tick, cfg.max_batch, cfg.max_batch_tokens, cfg.batch_wait_ms / 1e3,
-                                    live_sessions=self._active_sessions)
+                                    live_sessions=self._active_sessions, threads=cfg.threads)
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -38,9 +38,11 @@ _STOP = object()
 
 class Scheduler:
     def __init__(self, run_tick: Callable[[list[Work]], list[Work]], max_batch: int, max_tokens: int, wait_s: float,
-                 live_sessions: Callable[[], int] = lambda: 1 << 30, name: str = "verifier"):
-        """run_tick(works) runs one tick, resolves what finished and returns the works that continue."""
+                 live_sessions: Callable[[], int] = lambda: 1 << 30, name: str = "verifier", threads: int = 0):
+        """run_tick(works) runs one tick, resolves what finished and returns the works that continue.
+        threads: torch CPU threads of the ticks (0: the process's; OpenMP's count is per calling thread)."""
         self.run_tick = run_tick
+        self.threads = threads
         self.max_batch, self.max_tokens, self.wait_s = max_batch, max_tokens, wait_s
         self.live_sessions = live_sessions
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -62,6 +64,8 @@ class Scheduler:
 
     # -- the model thread ----------------------------------------------------------------------------
     def _loop(self) -> None:
+        if self.threads > 0:
+            torch.set_num_threads(self.threads)
         while True:
             batch = self.gather()
             if batch is None:

@@ -15,7 +15,7 @@ from draft_service.dtypes import MANY_DTYPES, STEP_DTYPES, calibrate, weight_dty
 from orchestrator.trigger import GoodputThreshold
 from specsplit.client import Client
 from specsplit.config import DraftConfig, OrchestratorConfig
-from specsplit.launch import default_proposers, make_proposer, start_stack
+from specsplit.launch import DraftProcess, colocated_threads, default_proposers, make_proposer, start_stack
 from specsplit.runner import ModelRunner
 from tiny import hf_greedy, tiny_loaded
 
@@ -114,3 +114,17 @@ def test_rounds_without_the_model_still_copy_spans(target, target_dir):
         tokens, stats = run(stack, prompt, 24, "half+ngram")
     assert tokens == hf_greedy(target.model, prompt, 24)
     assert grown == [] and any(s.num_draft_tokens for s in stats)
+
+
+def test_a_verifier_beside_a_draft_process_gets_the_cores_the_draft_leaves(target, target_dir):
+    """Two OpenMP teams on the same cores stall each other at every barrier, so a stack whose draft runs as a
+    child process on this machine gives the verifier the cores the draft leaves (at least one); lossless."""
+    process = DraftProcess(["--draft", "half", "--threads", "1", "--target-model", str(target_dir)])
+    assert process.threads == 1
+    with start_stack(target, [], processes=[process]) as stack:
+        assert stack.verifier_engine.config.threads == colocated_threads(1) >= 1
+        tokens, stats = run(stack, PROMPTS[0], 16, "half")
+    assert tokens == hf_greedy(target.model, PROMPTS[0], 16)
+    assert any(s.drafter == "half" for s in stats)
+    with start_stack(target, []) as alone:  # no draft beside it: the process's threads
+        assert alone.verifier_engine.config.threads == 0

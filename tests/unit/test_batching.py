@@ -161,3 +161,21 @@ def test_closing_runs_what_was_queued_then_refuses_new_work():
     assert running.result(timeout=1) == "a" and waiting.result(timeout=1) == "b"
     with pytest.raises(Unavailable):
         sched.submit(named("c", 1, "c"))
+
+
+def test_scheduler_runs_its_ticks_on_its_own_thread_count():
+    seen = []
+
+    def tick(works):
+        seen.append(torch.get_num_threads())
+        for w in works:
+            w.future.set_result(None)
+        return []
+
+    before = torch.get_num_threads()
+    sched = Scheduler(tick, max_batch=1, max_tokens=10, wait_s=0.0, threads=1)
+    try:
+        sched.submit(Work("a", 1)).result(timeout=5)
+    finally:
+        sched.close()
+    assert seen == [1] and torch.get_num_threads() == before  # the caller's count is untouched
