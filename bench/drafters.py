@@ -108,7 +108,7 @@ def _hf_main(conn, threads: int, assistant_dir: str | None, half_assistant: bool
     loaded = load_model(None, "cpu", "float32")
     half = None
     if half_assistant:  # the same step dtype the half draft picks on this machine (draft_service/dtypes.py)
-        models, calibration = calibrate(load_model(None, "cpu", "float32").model, threads)
+        models, calibration = calibrate(load_model(None, "cpu", "float32").model, threads, lean_forward=False)
         half = models[calibration.step_dtype]
     assistants = {"hf_assisted": load_model(assistant_dir, "cpu", "float32").model if assistant_dir else None,
                   "hf_assisted_half": half}

@@ -52,15 +52,16 @@ class Calibration:
 
 
 def calibrate(model, threads: int = 0, step_dtypes=STEP_DTYPES, many_dtypes=MANY_DTYPES,
-              repeats: int = 3) -> tuple[dict, Calibration]:
+              repeats: int = 3, lean_forward: bool = True) -> tuple[dict, Calibration]:
     """Copies of ``model`` in each candidate dtype, timed on this machine with ``threads`` torch threads (the
     draft's own). Returns ({dtype: model} holding the chosen ones only, the calibration). A single step
     candidate is taken as given (not timed). On a GPU nothing is timed: float16 (or the one given) for both.
-    On a CPU the copies of a model ``lean.supports`` are lean forwards (``weight_dtype`` = the candidate)."""
+    On a CPU the copies of a model ``lean.supports`` are lean forwards (``weight_dtype`` = the candidate)
+    unless ``lean_forward`` is False (Hugging Face models wanted: HF assisted generation's assistant)."""
     if model.device.type != "cpu":
         dtype = step_dtypes[0] if len(step_dtypes) == 1 else torch.float16
         return {dtype: model if model.dtype == dtype else copy.deepcopy(model).to(dtype)}, Calibration(dtype, dtype, {}, {})
-    if lean.supports(model):
+    if lean_forward and lean.supports(model):
         models = {dtype: lean.LeanLlama(model, dtype) for dtype in dict.fromkeys((*step_dtypes, *many_dtypes))}
     else:
         models = {dtype: model if model.dtype == dtype else copy.deepcopy(model).to(dtype)
