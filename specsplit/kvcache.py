@@ -15,9 +15,9 @@ class LeanCache:
     keys, values: [L, H_kv, capacity, D]; rows ``[0, length)`` hold the cached positions."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device):
-        self.shape = (num_layers, num_kv_heads, 0, head_dim)
-        self.keys = torch.empty(self.shape, dtype=dtype, device=device)  # [L, H_kv, 0, D]
-        self.values = torch.empty(self.shape, dtype=dtype, device=device)  # [L, H_kv, 0, D]
+        shape = (num_layers, num_kv_heads, 0, head_dim)
+        self.keys = torch.empty(shape, dtype=dtype, device=device)  # [L, H_kv, 0, D]
+        self.values = torch.empty(shape, dtype=dtype, device=device)  # [L, H_kv, 0, D]
         self.length = 0
 
     def reserve(self, length: int) -> None:
