@@ -47,7 +47,7 @@ class _Layer:
     o: torch.Tensor  # [H, Hq D]
     post_norm: torch.Tensor  # [H]
     gate_up: torch.Tensor  # [2 I, H] gate and up projections stacked
-    down: torch.Tensor  # [H, 2 I / 2]
+    down: torch.Tensor  # [H, I]
 
 
 @dataclass
@@ -74,11 +74,8 @@ class LeanLlama:
         self.eps = config.rms_norm_eps
         self._rotary = model.model.rotary_emb
 
-        def weight(*linears):
-            stacked = torch.cat([lin.weight.detach() for lin in linears]).float()  # [N, K]
-            if self.weight_dtype == torch.int8:
-                return _Int8Weight.of(stacked)
-            return stacked.to(self.weight_dtype).contiguous()
+        def weight(*linears) -> torch.Tensor:
+            return torch.cat([lin.weight.detach() for lin in linears]).to(self.weight_dtype).contiguous()  # [N, K]
 
         def norm(module) -> torch.Tensor:
             return module.weight.detach().to(self.dtype).contiguous()
@@ -175,29 +172,9 @@ class LeanLlama:
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x: [Q, K] in the compute dtype, weight: [N, K] -> [Q, N] in the compute dtype."""
-        if isinstance(weight, _Int8Weight):
-            return weight.matmul(x).to(self.dtype)
         if weight.dtype == x.dtype:
             return F.linear(x, weight)
         return F.linear(x.to(weight.dtype), weight).to(self.dtype)
-
-
-@dataclass
-class _Int8Weight:
-    """A weight in int8 with one scale per output row (weight-only quantization; activations in bfloat16)."""
-
-    values: torch.Tensor  # [N, K] int8
-    scales: torch.Tensor  # [N] bfloat16
-
-    @classmethod
-    def of(cls, weight: torch.Tensor) -> "_Int8Weight":
-        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [N]
-        values = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()  # [N, K]
-        return cls(values, scales.to(torch.bfloat16))
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [Q, K] -> [Q, N] bfloat16"""
-        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.values, self.scales)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
