@@ -182,9 +182,19 @@ def test_goodput_lets_the_target_decode_alone_when_drafting_does_not_pay():
     good = outcome(4, 3, committed=4, round_ms=80.0)  # 0.05 tokens/ms: drafting wins
     taken = rounds_taken(GoodputThreshold(), good, plain, 60)
     assert taken[:5] == [True, True, True, True, False]
-    # the warm-up probe confirms drafting: the next probe comes 32 measured rounds later (round 5, the first
-    # drafted one after the probe, is not measured)
-    assert [i for i, t in enumerate(taken) if not t] == [4, 38]
+    # the warm-up probe confirms drafting; drafting runs 2x target-only, so the probe due 32 measured rounds later
+    # (round 38; round 5, the first drafted one after the probe, is not measured) is skipped, and the next one,
+    # due at the longest gap, runs
+    taken = rounds_taken(GoodputThreshold(), good, plain, 120)
+    assert [i for i, t in enumerate(taken) if not t] == [4, 102]
+
+
+def test_goodput_runs_probes_whose_outcome_is_not_clear():
+    """Drafting only 1.2x faster than target-only rounds: no probe is skipped (the gap still doubles)."""
+    plain = RoundOutcome(0, 0, (), 1, 40.0, 0, 0.0, plain=True)  # 0.025 tokens/ms
+    close = outcome(4, 2, committed=3, round_ms=100.0)  # 0.03 tokens/ms
+    taken = rounds_taken(GoodputThreshold(), close, plain, 120)
+    assert [i for i, t in enumerate(taken) if not t] == [4, 38, 104]
 
 
 def test_goodput_probes_as_at_first_once_a_probe_flips_the_choice():
