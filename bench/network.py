@@ -12,7 +12,8 @@ every Prefill and Verify pays a true TCP round trip. Without root or ``ip netns`
 same processes and relays on loopback and says so in its output and results.
 
 For each RTT it runs every configuration on the same prompts (greedy; every output is checked token
-by token against HF greedy of the target):
+by token against HF greedy of the target), each configuration first warmed up, untimed, on a prompt of
+its own (--warmup-tokens; 0 measures cold starts, the adaptive triggers' learning included):
 
     fixed-N     verify when the streamed tree has N nodes (--fixed-sizes; the best of them is "best fixed")
     edgellm     verify when tree confidence T < alpha, EdgeLLM's alpha rule
@@ -58,6 +59,7 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 ROOT = HERE.parent
+WARMUP_PROMPT = "Describe a walk through a forest in autumn."  # --warmup-tokens; not in bench/prompts.jsonl
 sys.path.insert(0, str(ROOT))
 
 from network_report import TRIGGERS, parse_config, report  # noqa: E402
@@ -213,6 +215,11 @@ def drive(args) -> None:
             orch.verifier_info  # connect (TCP + HTTP/2 setup through the relay) before timing
             orch.pick_draft(draft_choice(name, args.drafter))
             orchs[name] = orch
+            if args.warmup_tokens:  # untimed (see --warmup-tokens); every configuration alike
+                warm = GenerationRequest(prompt_token_ids=ids_of({"prompt": WARMUP_PROMPT}),
+                                         max_new_tokens=args.warmup_tokens, draft=draft_choice(name, args.drafter))
+                for _ in orch.generate(warm):
+                    pass
         for i, p in enumerate(prompts):
             order = args.config_list[i % len(args.config_list):] + args.config_list[:i % len(args.config_list)]
             for name in order:
@@ -223,9 +230,15 @@ def drive(args) -> None:
                 request = GenerationRequest(prompt_token_ids=prompt_ids, max_new_tokens=args.max_new_tokens,
                                             draft=draft_choice(name, args.drafter))
                 start = time.perf_counter()
-                chunks = list(orchs[name].generate(request))
+                chunks, at = [], []  # at: ms since the start when each chunk arrived
+                for chunk in orchs[name].generate(request):
+                    chunks.append(chunk)
+                    at.append((time.perf_counter() - start) * 1e3)
                 elapsed = time.perf_counter() - start
                 stats = [c.stats for c in chunks if c.stats is not None]
+                timeline = [[round(ms), c.stats.drafter, c.stats.num_draft_tokens, c.stats.num_accepted,
+                             c.stats.num_committed, c.stats.provisional_kept, round(c.stats.draft_ms), round(c.stats.verify_ms)]
+                            for c, ms in zip(chunks, at) if c.stats is not None]
                 tokens = [t for c in chunks for t in c.token_ids]
                 runs[name].append({
                     "prompt": prompt["id"], "tokens": len(tokens), "seconds": elapsed, "rounds": len(stats),
@@ -234,6 +247,9 @@ def drive(args) -> None:
                     "identical": tokens == expected,
                     "target_only_rounds": sum(s.drafter == "none" for s in stats),  # fallbacks, goodput's plain rounds
                     "decoded": sum(s.num_decoded for s in stats),  # tokens the verifier decoded alone in bursts
+                    # per round: [ms at its chunk, drafter, tree nodes, accepted, committed, provisional kept, draft ms,
+                    # verifier ms]
+                    "rounds_timeline": timeline,
                 })
         for name in args.config_list:
             orchs[name].close()
@@ -270,6 +286,10 @@ def parse_args(argv=None):
     parser.add_argument("--prompts", default="chat_guitar,sum_bees", help="prompt ids from bench/prompts.jsonl")
     parser.add_argument("--code-prompt", default="code_rename", help="the n-gram row's code-edit prompt")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens per generation (default 48)")
+    parser.add_argument("--warmup-tokens", type=int, default=96,
+                        help="before timing, each configuration generates this many tokens from a warm-up prompt at "
+                             "each RTT (untimed: a long-running orchestrator has measured the costs its adaptive "
+                             "trigger needs; 0 = cold, the first timed prompt pays that learning) (default 96)")
     parser.add_argument("--fixed-sizes", default="4,8,16", help="fixed tree sizes to compare (default 4,8,16)")
     parser.add_argument("--configs", default="", help="comma-separated subset of the configurations (default all)")
     parser.add_argument("--provisional-max", type=int, default=16, help="provisional tokens per verification (default 16)")
@@ -354,7 +374,7 @@ def main(argv=None) -> int:
             "--ngram", f"{hosts.edge_ip}:{NGRAM_PORT}", "--rtts", ",".join(map(str, args.rtts)),
             "--prompts", args.prompts, "--code-prompt", args.code_prompt, "--max-new-tokens", str(args.max_new_tokens),
             "--configs", ",".join(args.config_list), "--provisional-max", str(args.provisional_max),
-            "--drafter", args.drafter,
+            "--drafter", args.drafter, "--warmup-tokens", str(args.warmup_tokens),
             "--threads", str(args.threads), "--draft-timeout", str(args.draft_timeout)] + (["--target-model", args.target_model] if args.target_model else [])
         subprocess.run(cmd, check=True, cwd=ROOT)
         rows = json.loads(driver_out.read_text())
