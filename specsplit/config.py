@@ -80,7 +80,9 @@ class OrchestratorConfig:
     # the streamed eagle drafter at 1.00-1.02x of the best fixed size (fixed-1) at RTT 0-100 (three runs),
     # 1.01-1.24x once it could also choose target-only rounds (bench/results/network_eagle.md, run E), and
     # 0.94-1.04x, 1.06-1.13x, 1.18-1.56x, 1.26-1.99x at RTT 0/20/50/100 once those decode bursts (five runs,
-    # bench/results/network_burst.md).
+    # bench/results/network_burst.md). With the half draft on an AVX-512 CPU, warmed up: 0.95-1.00x of the best
+    # fixed size with provisional drafting at RTT 0-100 (every pipelined config runs at the draft's pace), and
+    # goodput+0 1.12-1.25x of the best fixed size without it (bench/results/network_half_avx512/).
     trigger: str = "goodput"  # goodput | edgellm | fixed | budget
     fixed_tree_nodes: int = 4  # trigger "fixed": verify at this many nodes
     tree_max_nodes: int = 48  # node budget of a streamed tree (any trigger)
