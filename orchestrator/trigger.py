@@ -210,9 +210,12 @@ class GoodputThreshold:
         due = self.since_probe >= (self.warmup if self.plain[1] <= 0 else (self.probe_gap or self.probe_every))
         if due and self.drafting and self._decisive():
             self.since_probe = 0  # skipped: counted as a probe that confirmed drafting
-            self.probe_gap = min(2 * (self.probe_gap or self.probe_every), self.probe_max)
+            self._lengthen_probe_gap()
             return True
         return self.drafting != due
+
+    def _lengthen_probe_gap(self) -> None:
+        self.probe_gap = min(2 * (self.probe_gap or self.probe_every), self.probe_max)
 
     def _decisive(self) -> bool:
         """Drafting is so much faster than target-only rounds were that a probe could not flip the choice (and the
@@ -241,8 +244,10 @@ class GoodputThreshold:
             self.plain, self.drafted = (kind, self.drafted) if outcome.plain else (self.plain, kind)
             before, self.drafting = self.drafting, self._prefer_drafting()
             if probed:  # a probe that confirms the choice: probe half as often; one that flips it: as at first
-                gap = self.probe_gap or self.probe_every
-                self.probe_gap = min(2 * gap, self.probe_max) if self.drafting == before else self.probe_every
+                if self.drafting == before:
+                    self._lengthen_probe_gap()
+                else:
+                    self.probe_gap = self.probe_every
         if outcome.plain:
             return
         self.pipelined = (1 - self.ema) * self.pipelined + self.ema * outcome.pipelined_next
