@@ -167,6 +167,7 @@ class DraftMixin:
             session.trigger.new_session()
         trigger = session.trigger
         ahead, session.ahead = (session.ahead if self.config.pipeline and self.config.provisional_max else []), []
+        fresh = not ahead  # no kept provisional tokens: the verifier waits for this tree's every node
         if session.state.draft_down_until:  # the draft failed earlier and its pause is over: start it again
             session.draft = self._draft_replica_after(session.draft)
             self._start_draft(session)
@@ -223,7 +224,7 @@ class DraftMixin:
                         step_ms += step.draft_ms
                         trigger.note_step(step.draft_ms)
                     if step.done or len(tree) >= max_nodes or \
-                            trigger.should_verify(tree_confidence(tree.confidence, live), len(tree)):
+                            trigger.should_verify(tree_confidence(tree.confidence, live), len(tree), fresh=fresh):
                         break
             except (RpcError, queue.Empty) as err:
                 if stream is not None:

@@ -73,7 +73,7 @@ class FixedSize:
     size: int = 16
     alpha: float = 0.0  # not used: kept so every trigger reports an α
 
-    def should_verify(self, confidence: float, num_nodes: int) -> bool:
+    def should_verify(self, confidence: float, num_nodes: int, fresh: bool = False) -> bool:
         return num_nodes >= self.size
 
     def provisional_worth(self, branch_confidence: float) -> bool:
@@ -96,7 +96,7 @@ class FixedSize:
 class EdgeLLMThreshold:
     alpha: float = 0.01  # the paper's starting value
 
-    def should_verify(self, confidence: float, num_nodes: int) -> bool:
+    def should_verify(self, confidence: float, num_nodes: int, fresh: bool = False) -> bool:
         return confidence < self.alpha
 
     def provisional_worth(self, branch_confidence: float) -> bool:
@@ -164,19 +164,25 @@ class GoodputThreshold:
     # drafted again on a CPU where drafting ran 1.37x target-only.)
     resync: bool = False
 
-    def should_verify(self, confidence: float, num_nodes: int) -> bool:
+    def should_verify(self, confidence: float, num_nodes: int, fresh: bool = False) -> bool:
         """T < α; but while drafted rounds' provisional drafting usually follows the committed path (pipelined:
         the draft drafts the branch on during each verification, and what it made is the next tree's start),
         once the tree has ``pipeline_nodes`` nodes (the α rule prices a draft forward as if the verifier waited
         for it), or sooner once its best branch is unlikely to be accepted whole (not ``provisional_worth``):
-        drafting on from a token the target will probably reject is waste.
+        drafting on from a token the target will probably reject is waste. ``fresh``: the round had no kept
+        provisional tokens (a session's first round, or after a rejection): the verifier waits for every node of
+        such a tree, so it is verified at half ``pipeline_nodes``, and the draft makes the rest of the next tree
+        during that verification. (Measured at RTT 100 ms: growing the whole ~11 nodes first put goodput's first
+        tokens 330 ms behind fixed-4's, bench/results/network_half_avx512 run 2.)
 
         (Tried on the AVX2 CPU of README "With the half draft": the α rule past ``pipeline_nodes``. With draft and
         verifier on their own cores it ran within that machine's noise of this rule; sharing two cores
         (``specsplit generate --draft half``), trees grew long while a core idled: chat 0.97x of HF greedy
         against 1.15x with this rule.)"""
         if self.pipelined >= PIPELINE_MIN_SHARE:
-            return num_nodes >= self.pipeline_nodes() or not self.provisional_worth(confidence)
+            size = self.pipeline_nodes()
+            size = math.ceil(size / 2) if fresh else size
+            return num_nodes >= size or not self.provisional_worth(confidence)
         return confidence < self.alpha
 
     def pipeline_nodes(self) -> int:

@@ -124,6 +124,9 @@ def test_goodput_pipelined_trees_hold_what_the_draft_makes_during_one_verificati
     for _ in range(10):  # a farther verifier (the network's round trip in the call): deeper pipelined trees
         t.observe(RoundOutcome(5, 5, (0.5,) * 5, 6, 100.0, 5, 90.0, pipelined_next=True, verify_ms=190.0))
     assert t.pipeline_nodes() == 11
+    # a round with no kept tokens (the verifier waits for all of its tree): verified at half the pipelined size
+    assert not t.should_verify(0.99, 5, fresh=True) and t.should_verify(0.99, 6, fresh=True)
+    assert not t.should_verify(0.99, 6)
 
 
 def test_goodput_pipelined_trees_sized_by_forwards_under_a_verification():
