@@ -204,6 +204,7 @@ def drive(args) -> None:
     del target
 
     verifiers = json.loads(args.verifier_for_rtt)
+    warm_ids = ids_of({"prompt": WARMUP_PROMPT})
     results = []
     for rtt in args.rtts:
         # Configurations take turns prompt by prompt, so a change in the machine's load hits them alike.
@@ -216,7 +217,7 @@ def drive(args) -> None:
             orch.pick_draft(draft_choice(name, args.drafter))
             orchs[name] = orch
             if args.warmup_tokens:  # untimed (see --warmup-tokens); every configuration alike
-                warm = GenerationRequest(prompt_token_ids=ids_of({"prompt": WARMUP_PROMPT}),
+                warm = GenerationRequest(prompt_token_ids=warm_ids,
                                          max_new_tokens=args.warmup_tokens, draft=draft_choice(name, args.drafter))
                 for _ in orch.generate(warm):
                     pass

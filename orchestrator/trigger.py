@@ -199,11 +199,16 @@ class GoodputThreshold:
         is branch_confidence^γ (the model fitted in ``observe``; before any outcome: assume so)."""
         return not self.fitted or branch_confidence ** self.gamma >= PROVISIONAL_MIN_CHANCE
 
-    def _prefer_drafting(self) -> bool:
+    def _rates(self) -> tuple[float, float] | None:
+        """(drafted, target-only) rounds' committed tokens per ms; None until both kinds were measured."""
         (dt, dms), (pt, pms) = self.drafted, self.plain
-        if pms <= 0 or dms <= 0:
+        return (dt / dms, pt / pms) if dms > 0 and pms > 0 else None
+
+    def _prefer_drafting(self) -> bool:
+        rates = self._rates()
+        if rates is None:
             return True
-        drafted, plain = dt / dms, pt / pms
+        drafted, plain = rates
         if self.drafting:
             return plain <= drafted * (1 + self.switch_margin)
         return drafted > plain * (1 + self.switch_margin)
@@ -226,10 +231,11 @@ class GoodputThreshold:
     def _decisive(self) -> bool:
         """Drafting is so much faster than target-only rounds were that a probe could not flip the choice (and the
         probe gap is still short of probe_max)."""
-        (dt, dms), (pt, pms) = self.drafted, self.plain
-        if pms <= 0 or dms <= 0 or pt <= 0 or (self.probe_gap or self.probe_every) >= self.probe_max:
+        rates = self._rates()
+        if rates is None or rates[1] <= 0 or (self.probe_gap or self.probe_every) >= self.probe_max:
             return False
-        return dt / dms >= (1 + self.decisive) * pt / pms
+        drafted, plain = rates
+        return drafted >= (1 + self.decisive) * plain
 
     def new_session(self) -> None:
         self.resync = True
