@@ -8,7 +8,8 @@ same time: n threads, each a specsplit.Client streaming from the services (verif
 orchestrator; real gRPC on loopback; the verifier in one child process, draft and orchestrator in
 another, the clients in this one, as deployed), once with the batching verifier and once with
 max_batch=1; and once as a single left-padded HF generate(do_sample=False) over the same n chat prompts
-(in a third child process, so each process has one OpenMP team). Greedy, fp32, CPU, all on one machine.
+(in a third child process, so each process has one OpenMP team). Greedy, fp32, all on one machine: the
+target (verifiers, HF generate) on --device (cpu by default; cuda on a GPU box), the edge side on its CPU.
 The methods take turns, never overlap.
 
 With --waves W, W groups of n prompts (cycling through the file) wait in one queue and each of the n
@@ -120,10 +121,11 @@ class StackWorker:
     """The services in child processes, as they would be deployed: the verifiers (batching, and
     max_batch=1) in one process, the edge side (n-gram draft + orchestrator for each) in another."""
 
-    def __init__(self, threads: int, model_cpus: str = "", edge_cpus: str = ""):
+    def __init__(self, threads: int, model_cpus: str = "", edge_cpus: str = "", device: str = "cpu",
+                 dtype: str = "float32"):
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_verifier_main, args=(child, threads, model_cpus), daemon=True)
+        self.proc = ctx.Process(target=_verifier_main, args=(child, threads, model_cpus, device, dtype), daemon=True)
         self.proc.start()
         verifiers = self.conn.recv()  # {"batched": address, "one_at_a_time": address}
         self.edge_conn, child = ctx.Pipe()
@@ -156,12 +158,12 @@ def pin(cpus: str) -> None:
         os.sched_setaffinity(0, chosen)
 
 
-def _verifier_main(conn, threads: int, cpus: str = "") -> None:
+def _verifier_main(conn, threads: int, cpus: str = "", device: str = "cpu", dtype: str = "float32") -> None:
     from specsplit.launch import start_verifier
 
     pin(cpus)
     torch.set_num_threads(threads)
-    loaded = load_model(None, "cpu", "float32")
+    loaded = load_model(None, device, dtype)
     servers = {"batched": start_verifier(loaded, config=VerifierConfig()),
                "one_at_a_time": start_verifier(loaded, config=VerifierConfig(max_batch=1))}
     conn.send({name: server.address for name, server in servers.items()})
@@ -248,8 +250,9 @@ def hf_batched(loaded, batch_ids: list[list[int]], max_new: int) -> tuple[list[l
     tok = loaded.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     width = max(map(len, batch_ids))
-    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch_ids])  # [n, width] left-padded
-    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch_ids])  # [n, width]
+    device = loaded.model.device
+    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch_ids], device=device)  # [n, width] left-padded
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch_ids], device=device)  # [n, width]
     clock = StepClock()
     with torch.inference_mode():
         begin = time.perf_counter()
@@ -264,10 +267,10 @@ def hf_batched(loaded, batch_ids: list[list[int]], max_new: int) -> tuple[list[l
     return rows, clock.times, begin
 
 
-def _hf_worker_main(conn, threads: int, cpus: str = "") -> None:
+def _hf_worker_main(conn, threads: int, cpus: str = "", device: str = "cpu", dtype: str = "float32") -> None:
     pin(cpus)
     torch.set_num_threads(threads)
-    loaded = load_model(None, "cpu", "float32")
+    loaded = load_model(None, device, dtype)
     conn.send("ready")
     while (msg := conn.recv()) is not None:
         busy, cpu = machine_busy_s(), sum(os.times()[:2])
@@ -322,7 +325,8 @@ def markdown(results: list[Result], references: list[list[int]], args) -> str:
     repeats = max(r.repeat for r in results) + 1
     where = (f"; target processes (verifiers, HF) on CPU {args.model_cpus}, clients/orchestrator/draft on CPU "
              f"{args.edge_cpus or 'any'}") if args.model_cpus else ""
-    lines = [f"SmolLM2-135M-Instruct, fp32, CPU, {args.threads} torch threads{where}, greedy, max_new_tokens="
+    on = "CPU" if args.device == "cpu" else f"{args.device} ({device_name(args.device)}) for the target, the edge side on CPU"
+    lines = [f"SmolLM2-135M-Instruct, {args.dtype}, {on}, {args.threads} torch threads{where}, greedy, max_new_tokens="
              f"{args.max_new_tokens}, n-gram draft; n concurrent clients taking {args.waves} wave(s) of n requests from one queue, "
              f"each the next request as soon as its session ends (wave w = prompts w*n .. w*n+n-1 of "
              f"{args.prompts.name}, cycling); HF: one left-padded "
@@ -359,6 +363,10 @@ def each_repeat(results: list[Result], n: int) -> str:
                      for r in repeats)
 
 
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name(device) if device.startswith("cuda") and torch.cuda.is_available() else device
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -373,6 +381,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "anywhere. With --edge-cpus, the edge side (clients, orchestrator, draft) cannot slow the "
                              "verifier's forwards, as on separate machines")
     parser.add_argument("--edge-cpus", default="", help="CPUs of the clients, orchestrator and draft, e.g. 1")
+    parser.add_argument("--device", default="cpu",
+                        help="where the target runs (the verifiers and HF generate): cpu, cuda, cuda:1; the edge side "
+                             "(clients, orchestrator, n-gram draft) stays on the CPU")
+    parser.add_argument("--dtype", default="float32", help="the target's dtype (float32 is what the greedy references use)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run every method this many times per concurrency, taking turns, and report each method's "
                              "median run: the machine's speed drifts by 10-20%% between minutes")
@@ -392,7 +404,8 @@ def main(argv=None) -> None:
     ctx = multiprocessing.get_context("spawn")
     conn, child = ctx.Pipe()
     pin(args.edge_cpus)  # the clients
-    worker = ctx.Process(target=_hf_worker_main, args=(child, args.threads, args.model_cpus), daemon=True)
+    worker = ctx.Process(target=_hf_worker_main, args=(child, args.threads, args.model_cpus, args.device, args.dtype),
+                         daemon=True)
     worker.start()
     conn.recv()
     tokenizer = load_tokenizer(None)
@@ -400,7 +413,7 @@ def main(argv=None) -> None:
     references = [run_hf(conn, [[i]], args.max_new_tokens).token_ids[0] for i in ids]  # each prompt alone
     print(f"references done; prompt tokens {[len(i) for i in ids]}", file=sys.stderr, flush=True)
     results: list[Result] = []
-    stacks = StackWorker(args.threads, args.model_cpus, args.edge_cpus)
+    stacks = StackWorker(args.threads, args.model_cpus, args.edge_cpus, args.device, args.dtype)
     for method in METHODS[:2]:  # warm-up
         run_specsplit(method, stacks, [prompts[:2]], 8)
     for n, repeat, method in ((n, r, m) for n in args.sessions for r in range(args.repeats) for m in METHODS):
@@ -420,11 +433,13 @@ def main(argv=None) -> None:
     conn.send(None)
     worker.join(timeout=30)
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"cpus": os.cpu_count(), "model": "SmolLM2-135M-Instruct", "dtype": "float32", "device": "cpu", "threads": args.threads,
+    meta = {"cpus": os.cpu_count(), "model": "SmolLM2-135M-Instruct", "dtype": args.dtype, "device": args.device,
+            "device_name": device_name(args.device), "threads": args.threads,
             "max_new_tokens": args.max_new_tokens, "waves": args.waves, "repeats": args.repeats, "model_cpus": args.model_cpus,
             "edge_cpus": args.edge_cpus, "torch": torch.__version__, "prompts": str(args.prompts),
             "verifier": asdict(VerifierConfig()), "prompt_tokens": [len(i) for i in ids]}
-    name = "concurrency" + (f"_waves{args.waves}" if args.waves > 1 else "") + ("_split" if args.model_cpus else "")
+    name = ("concurrency" + (f"_{args.device.split(':')[0]}" if args.device != "cpu" else "")
+            + (f"_waves{args.waves}" if args.waves > 1 else "") + ("_split" if args.model_cpus else ""))
     (args.out / f"{name}.json").write_text(json.dumps(
         {"meta": meta, "references": references, "results": [asdict(r) for r in results]}, indent=1))
     table = markdown(results, references, args)

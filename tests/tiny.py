@@ -1,6 +1,13 @@
-"""Tiny random-weight Llama models and a byte-level tokenizer, built in code (no files, no downloads)."""
+"""Tiny random-weight Llama models and a byte-level tokenizer, built in code (no files, no downloads).
+
+SPECSPLIT_TEST_DEVICE=cuda puts the tiny models (and the HF greedy references) on a GPU, so the parity
+and concurrency tests check the verifier's CUDA paths: e.g.
+``SPECSPLIT_TEST_DEVICE=cuda pytest tests/parity/test_batched_engine.py tests/integration/test_concurrency.py``.
+"""
 
 from __future__ import annotations
+
+import os
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -48,16 +55,20 @@ def tiny_llama(seed: int = 0, layers: int = 2, hidden: int = 64, eos: bool = Tru
     return model
 
 
+DEVICE = os.environ.get("SPECSPLIT_TEST_DEVICE", "cpu")
+
+
 def tiny_loaded(seed: int = 0, layers: int = 2, name: str = "", eos: bool = True, tokenizer=None) -> LoadedModel:
     tok = tokenizer or tiny_tokenizer()
-    return LoadedModel(tiny_llama(seed, layers, eos=eos), tok, name or f"tiny-llama-{seed}", tokenizer_fingerprint(tok))
+    return LoadedModel(tiny_llama(seed, layers, eos=eos).to(DEVICE), tok, name or f"tiny-llama-{seed}", tokenizer_fingerprint(tok))
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """The reference: Hugging Face generate(do_sample=False) of the target alone."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens,
-                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+        out = model.generate(torch.tensor([prompt_ids], device=model.device), do_sample=False,
+                             max_new_tokens=max_new_tokens,
+                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=model.device))
     return out[0, len(prompt_ids):].tolist()
 
 
