@@ -38,6 +38,7 @@ from specsplit.accept import Verdict, accept_greedy
 from specsplit.config import VerifierConfig
 from specsplit.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from specsplit.features import Features
+from specsplit.kvcache import cache_kwarg
 from specsplit.models import LoadedModel
 from specsplit.sampling import SamplingParams, accept_sampled, distribution, round_seed
 from specsplit.tree import TokenTree
@@ -68,6 +69,7 @@ class TargetEngine:
         self.stats = BatchStats()
         self._num_layers = int(self.model.config.num_hidden_layers)
         use_packed_attention(self.model)
+        self._cache_kwarg = cache_kwarg(self.model)  # ``cache`` (transformers >= 5.2x) or ``past_key_values``
         self._store = SlotStore(self.config.max_sessions, self.config.kv_grow_tokens)
         self._sessions: dict[str, TargetSession] = {}
         self._sessions_lock = threading.Lock()
@@ -297,6 +299,8 @@ class TargetEngine:
         try:
             logits, hidden = self._forward(rows, [isinstance(w, VerifyWork) for w in owners],
                                            any(w.session.needs_hidden for w in owners))
+            if self.device.type == "cuda":  # kernels run asynchronously: time (and cost) the forward, not its launch
+                torch.cuda.synchronize(self.device)
         except BaseException as err:  # nothing was committed: every session stays as it was
             for work in owners:
                 self._fail(work, err)
@@ -375,11 +379,11 @@ class TargetEngine:
             input_ids=packed.input_ids,  # [1, T]
             position_ids=packed.position_ids,  # [1, T]
             attention_mask=PACKED_MASK,  # the real masks are per attention group (packed.groups)
-            cache=cache,
             use_cache=True,
             output_hidden_states=needs_hidden,
             logits_to_keep=torch.tensor(keep, device=self.device) if keep else 1,
             specsplit_batch=cache,
+            **{self._cache_kwarg: cache},
         )
         logits = out.logits[0]  # [K, V]: the verify rows' tokens, in packed order
         per_row: list[torch.Tensor | None] = []

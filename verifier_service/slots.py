@@ -73,11 +73,11 @@ class SlotStore:
 
         A chain's accepted rows are already in place (0, 1, 2, ...): nothing moves.
         """
-        if rows_to_keep == tuple(range(len(rows_to_keep))):
+        if rows_to_keep == tuple(range(len(rows_to_keep))) or not self.keys:
             return
+        src = keep_from + torch.tensor(rows_to_keep, device=self.keys[0].device)  # [K], one copy for all layers
+        dst = slice(keep_from, keep_from + len(rows_to_keep))
         for keys, values in zip(self.keys, self.values):
-            src = keep_from + torch.tensor(rows_to_keep, device=keys.device)  # [K]
-            dst = slice(keep_from, keep_from + len(rows_to_keep))
             keys[slot, :, dst] = keys[slot, :, src]  # [H_kv, K, D]; the gather copies before the write
             values[slot, :, dst] = values[slot, :, src]
 
@@ -196,8 +196,10 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         # GQA without copying K/V: the query heads that share a K/V head become rows of one query block,
         # [G, H, Q_g, D] -> [G, H_kv, rep * Q_g, D] (HF's order: query head h reads K/V head h // rep).
         q = q.reshape(g, kv_heads, rep * q_len, head_dim)
+        # reshape, not view: CUDA's fused kernels return [G, H_kv, rep * Q_g, D] as a transpose of
+        # [G, rep * Q_g, H_kv, D], which no view can split back into heads.
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=specsplit_batch.folded_mask(i, rep),
-                                           scale=scaling).view(g, heads, q_len, head_dim)  # [G, H, Q_g, D]
+                                           scale=scaling).reshape(g, heads, q_len, head_dim)  # [G, H, Q_g, D]
         if group.dense is not None:
             if len(groups) == 1:
                 return o.transpose(1, 2).reshape(1, total, heads, head_dim), None

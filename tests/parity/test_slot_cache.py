@@ -7,6 +7,7 @@ packing or slot bug that lets rows see each other (or padding) breaks these equa
 
 import torch
 
+from specsplit.kvcache import cache_kwarg, new_cache
 from specsplit.tree import TokenTree
 from tiny import tiny_llama
 from verifier_service.batching import pack_rows, prefill_row, verify_row
@@ -32,8 +33,8 @@ def forward(model, store, rows):
     """Per row its [Q_b, V] logits, from one packed forward."""
     packed = pack_rows(rows, torch.float32)
     cache = SlotBatch(store, packed, model.config.num_hidden_layers)
-    out = model(packed.input_ids, position_ids=packed.position_ids, attention_mask=PACKED_MASK, cache=cache,
-                use_cache=True, specsplit_batch=cache)
+    out = model(packed.input_ids, position_ids=packed.position_ids, attention_mask=PACKED_MASK,
+                use_cache=True, specsplit_batch=cache, **{cache_kwarg(model): cache})
     offsets = packed.row_offsets
     return [out.logits[0, a:b] for a, b in zip(offsets, offsets[1:])]
 
@@ -83,7 +84,8 @@ def test_compaction_then_next_round_matches_a_fresh_prefill():
             store.compact(slots[b], len(prefix), (0, *(n + 1 for n in path)))
             committed.append(prefix + [root] + [tree.token_ids[n] for n in path])
         for b, tokens in enumerate(committed):  # the slot holds exactly the committed tokens' K/V
-            reference = model(torch.tensor([tokens]), use_cache=True).cache
+            reference = new_cache(model)
+            model(torch.tensor([tokens]), use_cache=True, **{cache_kwarg(model): reference})
             for layer in range(model.config.num_hidden_layers):
                 keys, values = store.read(layer, slots[b], len(tokens))
                 assert torch.allclose(keys, reference.layers[layer].keys[0], atol=1e-4), (b, layer)
