@@ -119,31 +119,41 @@ def one_client(address: str, requests: queue.SimpleQueue, max_new: int, start: t
 
 class StackWorker:
     """The services in child processes, as they would be deployed: the verifiers (batching, and
-    max_batch=1) in one process, the edge side (n-gram draft + orchestrator for each) in another."""
+    max_batch=1) in one process, the edge side (n-gram draft + orchestrator for each) in ``edge_procs``
+    others (client i talks to edge process i % edge_procs: as many edge boxes, each its own interpreter)."""
 
     def __init__(self, threads: int, model_cpus: str = "", edge_cpus: str = "", device: str = "cpu",
-                 dtype: str = "float32"):
+                 dtype: str = "float32", edge_procs: int = 1, config: dict | None = None):
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_verifier_main, args=(child, threads, model_cpus, device, dtype), daemon=True)
+        self.proc = ctx.Process(target=_verifier_main, args=(child, threads, model_cpus, device, dtype, config),
+                                daemon=True)
         self.proc.start()
         verifiers = self.conn.recv()  # {"batched": address, "one_at_a_time": address}
-        self.edge_conn, child = ctx.Pipe()
-        self.edge = ctx.Process(target=_edge_main, args=(child, verifiers, edge_cpus), daemon=True)
-        self.edge.start()
-        self.addresses = self.edge_conn.recv()  # method -> orchestrator address
+        self.edges = []  # (process, pipe) per edge process
+        for _ in range(edge_procs):
+            conn, child = ctx.Pipe()
+            edge = ctx.Process(target=_edge_main, args=(child, verifiers, edge_cpus), daemon=True)
+            edge.start()
+            self.edges.append((edge, conn))
+        self.addresses = {}  # method -> orchestrator address per edge process
+        for _, conn in self.edges:
+            for method, address in conn.recv().items():
+                self.addresses.setdefault(method, []).append(address)
 
     def stats(self, method: str) -> tuple:
-        """The method's verifier's forwards, rows, both processes' CPU seconds, thinks, summed think ms,
+        """The method's verifier's forwards, rows, all processes' CPU seconds, thinks, summed think ms,
         padded tokens, forward ms, ticks."""
         self.conn.send(method)
-        self.edge_conn.send("cpu")
+        for _, conn in self.edges:
+            conn.send("cpu")
         stats = self.conn.recv()
-        return stats[:2] + (stats[2] + self.edge_conn.recv(),) + stats[3:]
+        return stats[:2] + (stats[2] + sum(conn.recv() for _, conn in self.edges),) + stats[3:]
 
     def close(self) -> None:
-        self.edge_conn.send(None)
-        self.edge.join(timeout=30)
+        for edge, conn in self.edges:
+            conn.send(None)
+            edge.join(timeout=30)
         self.conn.send(None)
         self.proc.join(timeout=30)
 
@@ -158,14 +168,15 @@ def pin(cpus: str) -> None:
         os.sched_setaffinity(0, chosen)
 
 
-def _verifier_main(conn, threads: int, cpus: str = "", device: str = "cpu", dtype: str = "float32") -> None:
+def _verifier_main(conn, threads: int, cpus: str = "", device: str = "cpu", dtype: str = "float32",
+                   config: dict | None = None) -> None:
     from specsplit.launch import start_verifier
 
     pin(cpus)
     torch.set_num_threads(threads)
     loaded = load_model(None, device, dtype)
-    servers = {"batched": start_verifier(loaded, config=VerifierConfig()),
-               "one_at_a_time": start_verifier(loaded, config=VerifierConfig(max_batch=1))}
+    servers = {"batched": start_verifier(loaded, config=VerifierConfig(**(config or {}))),
+               "one_at_a_time": start_verifier(loaded, config=VerifierConfig(**{**(config or {}), "max_batch": 1}))}
     conn.send({name: server.address for name, server in servers.items()})
     while (method := conn.recv()) is not None:
         stats = servers[method].core.stats
@@ -208,8 +219,9 @@ def run_specsplit(method: str, stacks: StackWorker, waves: list[list[dict]], max
         requests.put((j, request["prompt"]))
     out: list = [None] * (n * len(waves))
     start = threading.Barrier(n + 1)
-    address = stacks.addresses[method]
-    threads = [threading.Thread(target=one_client, args=(address, requests, max_new, start, out)) for _ in range(n)]
+    addresses = stacks.addresses[method]
+    threads = [threading.Thread(target=one_client, args=(addresses[i % len(addresses)], requests, max_new, start, out))
+               for i in range(n)]
     for t in threads:
         t.start()
     busy, cpu = machine_busy_s(), sum(os.times()[:2])
@@ -325,6 +337,8 @@ def markdown(results: list[Result], references: list[list[int]], args) -> str:
     repeats = max(r.repeat for r in results) + 1
     where = (f"; target processes (verifiers, HF) on CPU {args.model_cpus}, clients/orchestrator/draft on CPU "
              f"{args.edge_cpus or 'any'}") if args.model_cpus else ""
+    where += f"; {args.edge_procs} edge processes" if args.edge_procs > 1 else ""
+    where += "".join(f"; verifier {k}={v}" for k, v in verifier_overrides(args).items())
     on = "CPU" if args.device == "cpu" else f"{args.device} ({device_name(args.device)}) for the target, the edge side on CPU"
     lines = [f"SmolLM2-135M-Instruct, {args.dtype}, {on}, {args.threads} torch threads{where}, greedy, max_new_tokens="
              f"{args.max_new_tokens}, n-gram draft; n concurrent clients taking {args.waves} wave(s) of n requests from one queue, "
@@ -363,6 +377,11 @@ def each_repeat(results: list[Result], n: int) -> str:
                      for r in repeats)
 
 
+def verifier_overrides(args) -> dict:
+    """The VerifierConfig fields the command line set (both verifiers; one-at-a-time adds max_batch=1)."""
+    return {k: v for k, v in (("max_batch_tokens", args.max_batch_tokens), ("prefill_chunk", args.prefill_chunk)) if v}
+
+
 def device_name(device: str) -> str:
     return torch.cuda.get_device_name(device) if device.startswith("cuda") and torch.cuda.is_available() else device
 
@@ -385,6 +404,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="where the target runs (the verifiers and HF generate): cpu, cuda, cuda:1; the edge side "
                              "(clients, orchestrator, n-gram draft) stays on the CPU")
     parser.add_argument("--dtype", default="float32", help="the target's dtype (float32 is what the greedy references use)")
+    parser.add_argument("--edge-procs", type=int, default=1,
+                        help="edge processes (each an n-gram draft + orchestrator per method); client i uses process "
+                             "i %% N. More than 1 keeps one Python interpreter's lock from pacing every session's round")
+    parser.add_argument("--max-batch-tokens", type=int, default=0,
+                        help="the verifiers' VerifierConfig.max_batch_tokens (0: its default)")
+    parser.add_argument("--prefill-chunk", type=int, default=0,
+                        help="the verifiers' VerifierConfig.prefill_chunk (0: its default)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run every method this many times per concurrency, taking turns, and report each method's "
                              "median run: the machine's speed drifts by 10-20%% between minutes")
@@ -413,7 +439,8 @@ def main(argv=None) -> None:
     references = [run_hf(conn, [[i]], args.max_new_tokens).token_ids[0] for i in ids]  # each prompt alone
     print(f"references done; prompt tokens {[len(i) for i in ids]}", file=sys.stderr, flush=True)
     results: list[Result] = []
-    stacks = StackWorker(args.threads, args.model_cpus, args.edge_cpus, args.device, args.dtype)
+    stacks = StackWorker(args.threads, args.model_cpus, args.edge_cpus, args.device, args.dtype, args.edge_procs,
+                         verifier_overrides(args))
     for method in METHODS[:2]:  # warm-up
         run_specsplit(method, stacks, [prompts[:2]], 8)
     for n, repeat, method in ((n, r, m) for n in args.sessions for r in range(args.repeats) for m in METHODS):
@@ -437,7 +464,8 @@ def main(argv=None) -> None:
             "device_name": device_name(args.device), "threads": args.threads,
             "max_new_tokens": args.max_new_tokens, "waves": args.waves, "repeats": args.repeats, "model_cpus": args.model_cpus,
             "edge_cpus": args.edge_cpus, "torch": torch.__version__, "prompts": str(args.prompts),
-            "verifier": asdict(VerifierConfig()), "prompt_tokens": [len(i) for i in ids]}
+            "edge_procs": args.edge_procs, "verifier": asdict(VerifierConfig(**verifier_overrides(args))),
+            "prompt_tokens": [len(i) for i in ids]}
     name = ("concurrency" + (f"_{args.device.split(':')[0]}" if args.device != "cpu" else "")
             + (f"_waves{args.waves}" if args.waves > 1 else "") + ("_split" if args.model_cpus else ""))
     (args.out / f"{name}.json").write_text(json.dumps(

@@ -22,6 +22,11 @@ class VerifierConfig:
     prefill_chunk: int = 128  # a long prompt is cached this many tokens per tick, so it never stalls verification
     max_queued_prefill_tokens: int = 16384  # prompt tokens waiting to be cached; past this Prefill is refused at once
     forward_overhead_tokens: int = 32  # a forward's fixed cost in tokens (CPU: ~50 ms weight reads / ~1.7 ms a token)
+    # What one more attention group (an SDPA call, its K/V and query gathers, in every layer) costs, in padded
+    # queries; rows of different lengths share a group when padding is cheaper. 0: by device, 8 on CPU,
+    # and 4096 on a GPU, where the launches cost more than any padding (one group: SmolLM2 on an H200 ran
+    # 41 ms forwards of 7.6 rows in two or three groups, vs 19-22 ms for one row).
+    attention_group_overhead: int = 0
     kv_grow_tokens: int = 256  # slot capacity grows in steps of this many positions
     # A Verify may ask the target to decode alone this many more tokens (a burst, one tick each); its
     # answer waits for all of them, so the cap bounds how long one request holds its stream back.

@@ -18,7 +18,15 @@ import torch
 
 from specsplit.tree import TokenTree, tree_attn_mask
 
-ATTENTION_GROUP_OVERHEAD = 8  # an extra SDPA call per layer costs about as much as this many padded queries
+ATTENTION_GROUP_OVERHEAD = 8  # an extra SDPA call per layer costs about as much as this many padded queries (CPU)
+GPU_ATTENTION_GROUP_OVERHEAD = 4096  # a GPU pads for free next to ~6 more kernel launches a layer: one group
+
+
+def group_overhead_for(device: torch.device | str, configured: int = 0) -> int:
+    """The attention-group overhead a packed forward on ``device`` plans with (``configured`` if set)."""
+    if configured > 0:
+        return configured
+    return ATTENTION_GROUP_OVERHEAD if torch.device(device).type == "cpu" else GPU_ATTENTION_GROUP_OVERHEAD
 
 
 @dataclass(frozen=True)

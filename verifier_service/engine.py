@@ -43,7 +43,7 @@ from specsplit.models import LoadedModel
 from specsplit.sampling import SamplingParams, accept_sampled, distribution, round_seed
 from specsplit.tree import TokenTree
 from verifier_service import offload
-from verifier_service.batching import Row, cost_shares, pack_rows, prefill_row, verify_row
+from verifier_service.batching import Row, cost_shares, group_overhead_for, pack_rows, prefill_row, verify_row
 from verifier_service.scheduler import Scheduler, Work
 from verifier_service.slots import PACKED_MASK, SlotBatch, SlotStore, use_packed_attention
 from verifier_service.work import (BatchStats, ExportWork, ImportWork, PrefillResult, PrefillWork, ReleaseWork,
@@ -71,6 +71,8 @@ class TargetEngine:
         use_packed_attention(self.model)
         self._cache_kwarg = cache_kwarg(self.model)  # ``cache`` (transformers >= 5.2x) or ``past_key_values``
         self._store = SlotStore(self.config.max_sessions, self.config.kv_grow_tokens)
+        self._group_overhead = group_overhead_for(self.device, self.config.attention_group_overhead)
+        self._moves: list[tuple[int, int, tuple[int, ...]]] = []  # this tick's compactions (slot, keep_from, rows)
         self._sessions: dict[str, TargetSession] = {}
         self._sessions_lock = threading.Lock()
         self._queued_prefill_tokens = 0
@@ -308,6 +310,16 @@ class TargetEngine:
         forward_ms = _ms_since(start)
         self.stats.forward_ms += forward_ms
         shares = cost_shares([len(r) for r in rows], self.config.forward_overhead_tokens, forward_ms)
+        try:
+            self._answer_rows(rows, owners, logits, hidden, shares, continuing)
+        finally:  # every accepted row's K/V move into place before the next tick reads the slots
+            moves, self._moves = self._moves, []
+            self._store.compact_many(moves)
+        return continuing
+
+    def _answer_rows(self, rows: list[Row], owners: list[Work], logits: list[torch.Tensor | None],
+                     hidden: list[torch.Tensor] | None, shares: list[float], continuing: list[Work]) -> None:
+        """Accept each verify row (its compaction queued in ``self._moves``) and answer or continue its work."""
         for b, work in enumerate(owners):
             row_hidden = hidden[b] if hidden is not None and work.session.needs_hidden else None
             if isinstance(work, PrefillWork):
@@ -331,7 +343,6 @@ class TargetEngine:
             work.session.answered_at = time.perf_counter()
             work.future.set_result(VerifyResult(verdict, work.session.committed_length, _ms_since(work.enqueued),
                                                 work.queue_ms, work.cost_ms, features, proposal))
-        return continuing
 
     def _move_kv(self, work: ExportWork | ImportWork) -> None:
         """Copy a session's cached K/V out of its slot (export), or into a fresh slot (import)."""
@@ -367,7 +378,7 @@ class TargetEngine:
                  needs_hidden: bool = False) -> tuple[list[torch.Tensor | None], list[torch.Tensor] | None]:
         """One packed forward of all rows: per row its [Q_b, V] logits (None where not needed: a prefill
         chunk) and (needs_hidden) its final hidden states after the final norm [Q_b, H], same forward."""
-        packed = pack_rows(rows, self.dtype, self.device)
+        packed = pack_rows(rows, self.dtype, self.device, self._group_overhead)
         offsets = packed.row_offsets
         keep = [i for b, need in enumerate(needs_logits) if need for i in range(offsets[b], offsets[b + 1])]
         self.stats.forwards += 1
@@ -399,7 +410,7 @@ class TargetEngine:
         return per_row, hidden
 
     def _accept(self, work: VerifyWork, logits: torch.Tensor) -> Verdict:
-        """logits: [N+1, V] for root + nodes. Accept, compact the slot, commit."""
+        """logits: [N+1, V] for root + nodes. Accept, queue the slot's compaction (the tick's end), commit."""
         session, tree = work.session, work.tree
         if session.sampling.greedy:
             target_token_ids = logits.argmax(dim=-1).tolist()  # [N+1]
@@ -409,7 +420,7 @@ class TargetEngine:
                 session.generator.manual_seed(round_seed(session.sampling.seed, session.committed_length))
             p = distribution(logits, session.sampling).cpu()  # [N+1, V]
             verdict = accept_sampled(tree, p, tree.node_q, session.generator, work.max_commit)
-        self._store.compact(session.slot, session.cached_length, verdict.rows_to_keep)
+        self._moves.append((session.slot, session.cached_length, verdict.rows_to_keep))
         session.token_ids.extend(verdict.committed_token_ids)
         return verdict
 

@@ -73,13 +73,23 @@ class SlotStore:
 
         A chain's accepted rows are already in place (0, 1, 2, ...): nothing moves.
         """
-        if rows_to_keep == tuple(range(len(rows_to_keep))) or not self.keys:
+        self.compact_many([(slot, keep_from, rows_to_keep)])
+
+    def compact_many(self, moves: list[tuple[int, int, tuple[int, ...]]]) -> None:
+        """``compact`` for many slots at once (one tick's sessions, each slot at most once): one gather and
+        one scatter per layer and tensor for all of them, not one per session (kernel launches dominate on
+        a GPU). moves: (slot, keep_from, rows_to_keep) each."""
+        moves = [m for m in moves if m[2] != tuple(range(len(m[2])))]
+        if not moves or not self.keys:
             return
-        src = keep_from + torch.tensor(rows_to_keep, device=self.keys[0].device)  # [K], one copy for all layers
-        dst = slice(keep_from, keep_from + len(rows_to_keep))
+        slots = [slot for slot, _, rows in moves for _ in rows]
+        src = [keep_from + r for _, keep_from, rows in moves for r in rows]
+        dst = [keep_from + i for _, keep_from, rows in moves for i in range(len(rows))]
+        slots, src, dst = (torch.tensor(x, device=self.keys[0].device) for x in (slots, src, dst))  # [M] each
         for keys, values in zip(self.keys, self.values):
-            keys[slot, :, dst] = keys[slot, :, src]  # [H_kv, K, D]; the gather copies before the write
-            values[slot, :, dst] = values[slot, :, src]
+            for t in (keys, values):
+                by_position = t.transpose(1, 2)  # [slots, capacity, H_kv, D] view
+                by_position[slots, dst] = by_position[slots, src]  # [M, H_kv, D]; the gather copies before the write
 
     def read_session(self, slot: int, length: int, num_layers: int,
                      dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, torch.Tensor] | None]:

@@ -132,3 +132,24 @@ def test_a_prefill_chunk_and_trees_in_one_packed_forward_each_match_their_sessio
                 path = [tree.token_ids[i] for i in tree.path_to(node)] if node >= 0 else []
                 reference = model(torch.tensor([prefix + [root] + path])).logits[0, -1]  # [V]
                 assert torch.allclose(logits[b][node + 1], reference, atol=1e-4), f"session {b} node {node}"
+
+
+def test_one_tick_of_compactions_moves_each_accepted_row_after_its_own_prefix():
+    torch.manual_seed(0)
+    store = SlotStore(8)
+    before = []
+    for layer in range(2):
+        keys, values = store.layer(layer, torch.zeros(1, 2, 1, 4), 6, 20)  # like: [B, H_kv, Q, D]
+        keys.copy_(torch.randn_like(keys))
+        values.copy_(torch.randn_like(values))
+        before.append((keys.clone(), values.clone()))
+    moves = [(0, 5, (0, 2, 3)), (3, 9, (1, 4, 5, 7)), (4, 2, (0, 1, 2)), (5, 0, (3,))]  # slot 4: a chain, no move
+    store.compact_many(moves)
+    for layer in range(2):
+        expected = [t.clone() for t in before[layer]]  # [slots, H_kv, capacity, D]
+        for slot, keep_from, rows in moves:
+            for i, r in enumerate(rows):
+                for t, old in zip(expected, before[layer]):
+                    t[slot, :, keep_from + i] = old[slot, :, keep_from + r]
+        assert torch.equal(store.keys[layer], expected[0]) and torch.equal(store.values[layer], expected[1])
+    assert not torch.equal(store.keys[0], before[0][0])  # something did move

@@ -7,7 +7,8 @@ import torch
 
 from specsplit.errors import Unavailable
 from specsplit.tree import TokenTree
-from verifier_service.batching import cost_shares, pack_rows, plan_groups, prefill_row, verify_row
+from verifier_service.batching import (ATTENTION_GROUP_OVERHEAD, GPU_ATTENTION_GROUP_OVERHEAD, cost_shares,
+                                      group_overhead_for, pack_rows, plan_groups, prefill_row, verify_row)
 from verifier_service.scheduler import Scheduler, Work
 
 
@@ -179,3 +180,12 @@ def test_scheduler_runs_its_ticks_on_its_own_thread_count():
     finally:
         sched.close()
     assert seen == [1] and torch.get_num_threads() == before  # the caller's count is untouched
+
+
+def test_the_attention_group_overhead_follows_the_device():
+    assert group_overhead_for("cpu") == ATTENTION_GROUP_OVERHEAD  # padding costs compute on a CPU
+    assert group_overhead_for(torch.device("cuda")) == GPU_ATTENTION_GROUP_OVERHEAD  # launches cost more on a GPU
+    assert group_overhead_for("cuda:0", configured=16) == 16  # VerifierConfig.attention_group_overhead wins
+    lengths = [1, 3, 6, 9, 12]  # verify rows of different trees: one group on a GPU, several on a CPU
+    assert len(plan_groups(lengths, group_overhead_for("cuda"))) == 1
+    assert len(plan_groups(lengths, group_overhead_for("cpu"))) > 1
