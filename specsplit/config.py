@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specsplit.errors import InvalidArgument
 from specsplit.lookup import LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM
 
 
@@ -37,9 +38,9 @@ class VerifierConfig:
 
     def validate(self) -> None:
         if self.max_batch < 1 or self.max_sessions < 1:
-            raise ValueError("max_batch and max_sessions must be >= 1")
+            raise InvalidArgument("max_batch and max_sessions must be >= 1")
         if not 0 < self.prefill_chunk <= self.max_batch_tokens or self.max_tree_nodes + 1 > self.max_batch_tokens:
-            raise ValueError(f"max_batch_tokens={self.max_batch_tokens} must hold a prefill chunk "
+            raise InvalidArgument(f"max_batch_tokens={self.max_batch_tokens} must hold a prefill chunk "
                              f"({self.prefill_chunk}) and a whole tree (max_tree_nodes + 1 = {self.max_tree_nodes + 1})")
 
 

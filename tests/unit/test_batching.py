@@ -189,3 +189,13 @@ def test_the_attention_group_overhead_follows_the_device():
     lengths = [1, 3, 6, 9, 12]  # verify rows of different trees: one group on a GPU, several on a CPU
     assert len(plan_groups(lengths, group_overhead_for("cuda"))) == 1
     assert len(plan_groups(lengths, group_overhead_for("cpu"))) > 1
+
+
+def test_a_verifier_config_that_cannot_hold_a_prefill_chunk_is_a_clear_invalid_argument():
+    import pytest
+
+    from specsplit.config import VerifierConfig
+    from specsplit.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="must hold a prefill chunk"):
+        VerifierConfig(max_batch_tokens=512, prefill_chunk=1000).validate()
