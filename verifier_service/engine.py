@@ -72,7 +72,6 @@ class TargetEngine:
         self._cache_kwarg = cache_kwarg(self.model)  # ``cache`` (transformers >= 5.2x) or ``past_key_values``
         self._store = SlotStore(self.config.max_sessions, self.config.kv_grow_tokens)
         self._group_overhead = group_overhead_for(self.device, self.config.attention_group_overhead)
-        self._moves: list[tuple[int, int, tuple[int, ...]]] = []  # this tick's compactions (slot, keep_from, rows)
         self._sessions: dict[str, TargetSession] = {}
         self._sessions_lock = threading.Lock()
         self._queued_prefill_tokens = 0
@@ -310,16 +309,17 @@ class TargetEngine:
         forward_ms = _ms_since(start)
         self.stats.forward_ms += forward_ms
         shares = cost_shares([len(r) for r in rows], self.config.forward_overhead_tokens, forward_ms)
+        moves: list[tuple[int, int, tuple[int, ...]]] = []  # this tick's compactions (slot, keep_from, rows)
         try:
-            self._answer_rows(rows, owners, logits, hidden, shares, continuing)
+            self._answer_rows(rows, owners, logits, hidden, shares, continuing, moves)
         finally:  # every accepted row's K/V move into place before the next tick reads the slots
-            moves, self._moves = self._moves, []
             self._store.compact_many(moves)
         return continuing
 
     def _answer_rows(self, rows: list[Row], owners: list[Work], logits: list[torch.Tensor | None],
-                     hidden: list[torch.Tensor] | None, shares: list[float], continuing: list[Work]) -> None:
-        """Accept each verify row (its compaction queued in ``self._moves``) and answer or continue its work."""
+                     hidden: list[torch.Tensor] | None, shares: list[float], continuing: list[Work],
+                     moves: list) -> None:
+        """Accept each verify row (its compaction added to ``moves``) and answer or continue its work."""
         for b, work in enumerate(owners):
             row_hidden = hidden[b] if hidden is not None and work.session.needs_hidden else None
             if isinstance(work, PrefillWork):
@@ -329,7 +329,7 @@ class TargetEngine:
                 continue
             try:
                 start_position = work.session.cached_length
-                work.record(self._accept(work, logits[b]), start_position, row_hidden)  # [Q_b, V], [Q_b, H]
+                work.record(self._accept(work, logits[b], moves), start_position, row_hidden)  # [Q_b, V], [Q_b, H]
                 work.cost_ms += shares[b]
                 if work.burst_goes_on(self._eos, work.session.committed_length + 1 < self.max_context):
                     work.tree, work.tokens = TokenTree.empty(), 1  # the next step: the new pending token
@@ -409,7 +409,7 @@ class TargetEngine:
             hidden = [final[offsets[b]:offsets[b + 1]] for b in range(len(rows))]
         return per_row, hidden
 
-    def _accept(self, work: VerifyWork, logits: torch.Tensor) -> Verdict:
+    def _accept(self, work: VerifyWork, logits: torch.Tensor, moves: list) -> Verdict:
         """logits: [N+1, V] for root + nodes. Accept, queue the slot's compaction (the tick's end), commit."""
         session, tree = work.session, work.tree
         if session.sampling.greedy:
@@ -420,7 +420,7 @@ class TargetEngine:
                 session.generator.manual_seed(round_seed(session.sampling.seed, session.committed_length))
             p = distribution(logits, session.sampling).cpu()  # [N+1, V]
             verdict = accept_sampled(tree, p, tree.node_q, session.generator, work.max_commit)
-        self._moves.append((session.slot, session.cached_length, verdict.rows_to_keep))
+        moves.append((session.slot, session.cached_length, verdict.rows_to_keep))  # compacted at the tick's end
         session.token_ids.extend(verdict.committed_token_ids)
         return verdict
 

@@ -192,8 +192,6 @@ def test_the_attention_group_overhead_follows_the_device():
 
 
 def test_a_verifier_config_that_cannot_hold_a_prefill_chunk_is_a_clear_invalid_argument():
-    import pytest
-
     from specsplit.config import VerifierConfig
     from specsplit.errors import InvalidArgument
 
