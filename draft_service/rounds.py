@@ -16,7 +16,7 @@ import torch
 from specsplit.config import DraftConfig
 from specsplit.growth import GrowingTree, GrowthPolicy, GrowthStep, best_leaf, grow_tree
 from specsplit.lookup import LOOKUP_PROB
-from specsplit.sampling import SamplingParams
+from specsplit.sampling import SamplingParams, session_generator
 from specsplit.tree import SparseDist, TokenTree
 
 
@@ -35,8 +35,7 @@ def draft_sampling(sampling: SamplingParams | None, q_top_k: int) -> tuple[Sampl
     sampling = sampling or SamplingParams()
     if sampling.greedy:
         return sampling, None
-    generator = torch.Generator()
-    generator.manual_seed(sampling.seed + 1) if sampling.seed is not None else generator.seed()
+    generator = session_generator(sampling, stream=1)
     top_k = min(sampling.top_k or q_top_k, q_top_k)
     return SamplingParams(sampling.temperature, top_k, sampling.top_p, sampling.seed), generator
 

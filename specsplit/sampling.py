@@ -44,6 +44,16 @@ class SamplingParams:
             raise InvalidArgument(f"top_p must be in [0, 1] (0 or 1 = off), got {self.top_p}")
 
 
+def session_generator(sampling: SamplingParams, stream: int = 0) -> torch.Generator | None:
+    """A sampling session's own RNG (None for greedy): seeded ``seed + stream`` when the session has a seed
+    (stream 0: the target's, 1: the draft's), from the OS otherwise."""
+    if sampling.greedy:
+        return None
+    generator = torch.Generator()
+    generator.manual_seed(sampling.seed + stream) if sampling.seed is not None else generator.seed()
+    return generator
+
+
 def round_seed(seed: int, committed_length: int, stream: int = 0) -> int:
     """The RNG seed of the round that starts at ``committed_length`` tokens (splitmix64 of all three).
 

@@ -40,12 +40,12 @@ from specsplit.errors import FailedPrecondition, InvalidArgument, NotFound, Reso
 from specsplit.features import Features
 from specsplit.kvcache import cache_kwarg
 from specsplit.models import LoadedModel
-from specsplit.sampling import SamplingParams, accept_sampled, distribution, round_seed
+from specsplit.sampling import SamplingParams, accept_sampled, distribution, round_seed, session_generator
 from specsplit.tree import TokenTree
 from verifier_service import offload
 from verifier_service.batching import Row, cost_shares, group_overhead_for, pack_rows, prefill_row, verify_row
 from verifier_service.scheduler import Scheduler, Work
-from verifier_service.slots import PACKED_MASK, SlotBatch, SlotStore, use_packed_attention
+from verifier_service.slots import SlotStore, packed_forward, use_packed_attention
 from verifier_service.work import (BatchStats, ExportWork, ImportWork, PrefillResult, PrefillWork, ReleaseWork,
                                    TargetSession, VerifyResult, VerifyWork)
 
@@ -156,7 +156,7 @@ class TargetEngine:
                     f"(max_queued_prefill_tokens={self.config.max_queued_prefill_tokens}); retry later or on "
                     "another replica"
                 )
-            session = TargetSession(list(token_ids), sampling, _generator(sampling))
+            session = TargetSession(list(token_ids), sampling, session_generator(sampling))
             self._sessions[session_id] = session
             self._queued_prefill_tokens += to_cache
         return session
@@ -385,24 +385,13 @@ class TargetEngine:
         self.stats.rows += len(rows)
         self.stats.tokens += packed.num_tokens
         self.stats.max_rows = max(self.stats.max_rows, len(rows))
-        cache = SlotBatch(self._store, packed, self._num_layers)
-        out = self.model(
-            input_ids=packed.input_ids,  # [1, T]
-            position_ids=packed.position_ids,  # [1, T]
-            attention_mask=PACKED_MASK,  # the real masks are per attention group (packed.groups)
-            use_cache=True,
-            output_hidden_states=needs_hidden,
-            logits_to_keep=torch.tensor(keep, device=self.device) if keep else 1,
-            specsplit_batch=cache,
-            **{self._cache_kwarg: cache},
-        )
+        out = packed_forward(self.model, self._store, packed, self._cache_kwarg, keep, needs_hidden)
         logits = out.logits[0]  # [K, V]: the verify rows' tokens, in packed order
         per_row: list[torch.Tensor | None] = []
         k = 0
-        for b, need in enumerate(needs_logits):
-            n = len(rows[b])
-            per_row.append(logits[k:k + n] if need else None)
-            k += n if need else 0
+        for row, need in zip(rows, needs_logits):
+            per_row.append(logits[k:k + len(row)] if need else None)
+            k += len(row) if need else 0
         hidden = None
         if needs_hidden:
             final = out.hidden_states[-1][0]  # [T, H]
@@ -453,13 +442,3 @@ class TargetEngine:
 def _ms_since(start: float) -> float:
     return (time.perf_counter() - start) * 1e3
 
-
-def _generator(sampling: SamplingParams) -> torch.Generator | None:
-    if sampling.greedy:
-        return None
-    generator = torch.Generator()
-    if sampling.seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(sampling.seed)
-    return generator

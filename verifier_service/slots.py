@@ -171,6 +171,20 @@ class SlotBatch(Cache):
         return self._folded[group]
 
 
+def packed_forward(model: torch.nn.Module, store: SlotStore, packed: PackedBatch, cache_arg: str,
+                   keep: list[int] | None = None, hidden: bool = False):
+    """One packed forward over the slots (``model`` set up by ``use_packed_attention``): every token's K/V go
+    into its slot; returns the model's output, logits only at the packed indices ``keep`` (all when None),
+    with the hidden states if ``hidden``. cache_arg: the forward's cache argument (``kvcache.cache_kwarg``)."""
+    cache = SlotBatch(store, packed, model.config.num_hidden_layers)
+    logits_to_keep = 0 if keep is None else (torch.tensor(keep, device=packed.input_ids.device) if keep else 1)
+    return model(input_ids=packed.input_ids,  # [1, T]
+                 position_ids=packed.position_ids,  # [1, T]
+                 attention_mask=PACKED_MASK,  # the real masks are per attention group (packed.groups)
+                 use_cache=True, output_hidden_states=hidden, logits_to_keep=logits_to_keep,
+                 specsplit_batch=cache, **{cache_arg: cache})
+
+
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      specsplit_batch: SlotBatch | None = None, **kwargs) -> tuple[torch.Tensor, None]:

@@ -11,7 +11,7 @@ from specsplit.kvcache import cache_kwarg, new_cache
 from specsplit.tree import TokenTree
 from tiny import tiny_llama
 from verifier_service.batching import pack_rows, prefill_row, verify_row
-from verifier_service.slots import PACKED_MASK, SlotBatch, SlotStore, use_packed_attention
+from verifier_service.slots import SlotStore, packed_forward, use_packed_attention
 
 PREFIXES = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38], [5], [26, 53, 58, 97, 93, 23, 84], list(range(40, 75))]
 ROOTS = [62, 64, 33, 83]
@@ -32,9 +32,7 @@ def packed_model(seed):
 def forward(model, store, rows):
     """Per row its [Q_b, V] logits, from one packed forward."""
     packed = pack_rows(rows, torch.float32)
-    cache = SlotBatch(store, packed, model.config.num_hidden_layers)
-    out = model(packed.input_ids, position_ids=packed.position_ids, attention_mask=PACKED_MASK,
-                use_cache=True, specsplit_batch=cache, **{cache_kwarg(model): cache})
+    out = packed_forward(model, store, packed, cache_kwarg(model))
     offsets = packed.row_offsets
     return [out.logits[0, a:b] for a, b in zip(offsets, offsets[1:])]
 
