@@ -441,4 +441,3 @@ class TargetEngine:
 
 def _ms_since(start: float) -> float:
     return (time.perf_counter() - start) * 1e3
-

@@ -68,24 +68,19 @@ class SlotStore:
             self.keys[layer_idx], self.values[layer_idx] = keys, values = grown_k, grown_v
         return keys, values
 
-    def compact(self, slot: int, keep_from: int, rows_to_keep: tuple[int, ...]) -> None:
-        """Move block rows ``rows_to_keep`` (offsets from ``keep_from``) to ``keep_from, keep_from + 1, ...``.
-
-        A chain's accepted rows are already in place (0, 1, 2, ...): nothing moves.
-        """
-        self.compact_many([(slot, keep_from, rows_to_keep)])
-
     def compact_many(self, moves: list[tuple[int, int, tuple[int, ...]]]) -> None:
-        """``compact`` for many slots at once (one tick's sessions, each slot at most once): one gather and
-        one scatter per layer and tensor for all of them, not one per session (kernel launches dominate on
-        a GPU). moves: (slot, keep_from, rows_to_keep) each."""
+        """In each move's slot, move block rows ``rows_to_keep`` (offsets from ``keep_from``) to ``keep_from,
+        keep_from + 1, ...``; a chain's accepted rows are already in place (0, 1, 2, ...) and do not move.
+        moves: (slot, keep_from, rows_to_keep), one tick's sessions, each slot at most once: one gather and one
+        scatter per layer and tensor for all of them, not one per session (kernel launches dominate on a GPU)."""
         moves = [m for m in moves if m[2] != tuple(range(len(m[2])))]
         if not moves or not self.keys:
             return
-        slots = [slot for slot, _, rows in moves for _ in rows]
-        src = [keep_from + r for _, keep_from, rows in moves for r in rows]
-        dst = [keep_from + i for _, keep_from, rows in moves for i in range(len(rows))]
-        slots, src, dst = (torch.tensor(x, device=self.keys[0].device) for x in (slots, src, dst))  # [M] each
+        slots, src, dst = torch.tensor([  # [3, M]: one copy to the device
+            [slot for slot, _, rows in moves for _ in rows],
+            [keep_from + r for _, keep_from, rows in moves for r in rows],
+            [keep_from + i for _, keep_from, rows in moves for i in range(len(rows))],
+        ], device=self.keys[0].device)
         for keys, values in zip(self.keys, self.values):
             for t in (keys, values):
                 by_position = t.transpose(1, 2)  # [slots, capacity, H_kv, D] view

@@ -79,7 +79,7 @@ def test_compaction_then_next_round_matches_a_fresh_prefill():
         accepted = [TREES[0].path_to(4), [0, 1], [], [2, 3]]  # node paths each session "accepted"
         committed = []
         for b, (prefix, root, tree, path) in enumerate(zip(PREFIXES, ROOTS, TREES, accepted)):
-            store.compact(slots[b], len(prefix), (0, *(n + 1 for n in path)))
+            store.compact_many([(slots[b], len(prefix), (0, *(n + 1 for n in path)))])
             committed.append(prefix + [root] + [tree.token_ids[n] for n in path])
         for b, tokens in enumerate(committed):  # the slot holds exactly the committed tokens' K/V
             reference = new_cache(model)
