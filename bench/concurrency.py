@@ -303,6 +303,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the verifiers' VerifierConfig.max_batch_tokens (0: its default)")
     parser.add_argument("--prefill-chunk", type=int, default=0,
                         help="the verifiers' VerifierConfig.prefill_chunk (0: its default)")
+    parser.add_argument("--hf-forward", action="store_true",
+                        help="the verifiers run the model's own forward, not the lean one (VerifierConfig.lean_forward)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run every method this many times per concurrency, taking turns, and report each method's "
                              "median run: the machine's speed drifts by 10-20%% between minutes")

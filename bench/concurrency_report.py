@@ -109,7 +109,11 @@ def each_repeat(results: list[Result], n: int) -> str:
 
 def verifier_overrides(args) -> dict:
     """The VerifierConfig fields the command line set (both verifiers; one-at-a-time adds max_batch=1)."""
-    return {k: v for k, v in (("max_batch_tokens", args.max_batch_tokens), ("prefill_chunk", args.prefill_chunk)) if v}
+    overrides = {k: v for k, v in (("max_batch_tokens", args.max_batch_tokens), ("prefill_chunk", args.prefill_chunk))
+                 if v}
+    if args.hf_forward:
+        overrides["lean_forward"] = False
+    return overrides
 
 
 def device_name(device: str) -> str:

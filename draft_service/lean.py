@@ -26,18 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from specsplit.kvcache import LeanCache
+from specsplit.llama import rms_norm, rotate_half, supports
 
 FEW_QUERIES = 16  # forwards of at most this many tokens attend with plain matmuls; longer ones through SDPA
-
-
-def supports(model) -> bool:
-    """Whether ``model`` is a Llama-architecture causal LM this forward reproduces (no biases, SiLU MLP)."""
-    config = getattr(model, "config", None)
-    return (
-        config is not None and getattr(config, "model_type", "") == "llama"
-        and not getattr(config, "attention_bias", False) and not getattr(config, "mlp_bias", False)
-        and getattr(config, "hidden_act", "") == "silu" and hasattr(model, "model") and hasattr(model, "lm_head")
-    )
 
 
 @dataclass
@@ -117,22 +108,22 @@ class LeanLlama:
         cache.reserve(total)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         for index, layer in enumerate(self.layers):
-            qkv = self._linear(self._rms(x, layer.input_norm), layer.qkv)  # [Q, (Hq + 2 Hkv) D]
+            qkv = self._linear(rms_norm(x, layer.input_norm, self.eps), layer.qkv)  # [Q, (Hq + 2 Hkv) D]
             q = qkv[:, :q_size].view(num_new, self.num_heads, self.head_dim)  # [Q, Hq, D]
             k = qkv[:, q_size:q_size + kv_size].view(num_new, self.num_kv_heads, self.head_dim)  # [Q, Hkv, D]
             v = qkv[:, q_size + kv_size:].view(num_new, self.num_kv_heads, self.head_dim)  # [Q, Hkv, D]
-            q = q * cos + _rotate_half(q) * sin  # [Q, Hq, D]
-            k = k * cos + _rotate_half(k) * sin  # [Q, Hkv, D]
+            q = q * cos + rotate_half(q) * sin  # [Q, Hq, D]
+            k = k * cos + rotate_half(k) * sin  # [Q, Hkv, D]
             cache.keys[index, :, past:total] = k.transpose(0, 1)  # [Hkv, Q, D]
             cache.values[index, :, past:total] = v.transpose(0, 1)  # [Hkv, Q, D]
             attended = self._attend(q, cache.keys[index, :, :total], cache.values[index, :, :total], mask)  # [Q, Hq D]
             x = x + self._linear(attended, layer.o)  # [Q, H]
-            gate, up = self._linear(self._rms(x, layer.post_norm), layer.gate_up).chunk(2, dim=-1)  # [Q, I] each
+            gate, up = self._linear(rms_norm(x, layer.post_norm, self.eps), layer.gate_up).chunk(2, dim=-1)  # [Q, I] each
             x = x + self._linear(F.silu(gate) * up, layer.down)  # [Q, H]
         cache.length = total
         if logits_to_keep:
             x = x[-logits_to_keep:]  # [Q', H]
-        logits = self._linear(self._rms(x, self.norm), self.head)  # [Q', V]
+        logits = self._linear(rms_norm(x, self.norm, self.eps), self.head)  # [Q', V]
         return LeanOutput(logits[None])
 
     def _mask(self, attention_mask, num_new: int, total: int) -> torch.Tensor | None:
@@ -166,18 +157,9 @@ class LeanLlama:
         out = out.view(self.num_kv_heads, group, num_new, self.head_dim).permute(2, 0, 1, 3)  # [Q, Hkv, G, D]
         return out.reshape(num_new, -1)  # [Q, Hq D]
 
-    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x: [Q, H] -> [Q, H]"""
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
-
     def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x: [Q, K] in the compute dtype, weight: [N, K] -> [Q, N] in the compute dtype."""
         if weight.dtype == x.dtype:
             return F.linear(x, weight)
         return F.linear(x.to(weight.dtype), weight).to(self.dtype)
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """[..., D] -> [..., D]: (-x2, x1) of the halves (the Llama RoPE convention)."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

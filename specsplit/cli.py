@@ -120,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefill-chunk", type=int, default=128,
                        help="verifier: prompt tokens cached per batch, so a long prompt never stalls everyone's "
                             "verification (default 128; the H200 bench used 512)")
+    serve.add_argument("--hf-forward", action="store_true",
+                       help="verifier: run batched forwards through the model's own Hugging Face forward (module "
+                            "hooks fire) instead of the lean forward a Llama-architecture target gets by default "
+                            "(same weights and operations, bit-identical logits, less host work per forward)")
     _model_flags(serve)
     _draft_flags(serve)
     _tree_flags(serve)
@@ -361,7 +365,7 @@ def serve(args) -> int:
         config = VerifierConfig(max_tree_nodes=args.max_tree_nodes, max_sessions=args.max_sessions,
                                 max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
                                 max_batch_tokens=args.max_batch_tokens, prefill_chunk=args.prefill_chunk,
-                                idle_timeout_s=args.idle_timeout)
+                                idle_timeout_s=args.idle_timeout, lean_forward=not args.hf_forward)
         medusa = None
         if args.medusa:
             from verifier_service.medusa import load_medusa

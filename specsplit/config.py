@@ -35,6 +35,9 @@ class VerifierConfig:
     # torch CPU threads of the verifier's forwards (0: the process's). Beside a draft on the same cores,
     # the embedded stack gives it the cores the draft leaves (specsplit.launch.colocated_threads).
     threads: int = 0
+    # Packed forwards of a Llama-architecture target through verifier_service.lean: the model's weights and
+    # operations without HF's per-module host work (bit-identical logits). False: through the model's forward.
+    lean_forward: bool = True
 
     def validate(self) -> None:
         if self.max_batch < 1 or self.max_sessions < 1:

@@ -39,12 +39,14 @@ from specsplit.config import VerifierConfig
 from specsplit.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from specsplit.features import Features
 from specsplit.kvcache import cache_kwarg
+from specsplit.llama import supports
 from specsplit.models import LoadedModel
 from specsplit.sampling import SamplingParams, accept_sampled, distribution, round_seed, session_generator
 from specsplit.tree import TokenTree
 from verifier_service import offload
 from verifier_service.batching import Row, cost_shares, group_overhead_for, pack_rows, prefill_row, verify_row
 from verifier_service.scheduler import Scheduler, Work
+from verifier_service.lean import LeanPackedLlama
 from verifier_service.slots import SlotStore, packed_forward, use_packed_attention
 from verifier_service.work import (BatchStats, ExportWork, ImportWork, PrefillResult, PrefillWork, ReleaseWork,
                                    TargetSession, VerifyResult, VerifyWork)
@@ -70,6 +72,8 @@ class TargetEngine:
         self._num_layers = int(self.model.config.num_hidden_layers)
         use_packed_attention(self.model)
         self._cache_kwarg = cache_kwarg(self.model)  # ``cache`` (transformers >= 5.2x) or ``past_key_values``
+        # The same packed forward with less host work (bit-identical logits), for the models it runs.
+        self._lean = LeanPackedLlama(self.model) if self.config.lean_forward and supports(self.model) else None
         self._store = SlotStore(self.config.max_sessions, self.config.kv_grow_tokens)
         self._group_overhead = group_overhead_for(self.device, self.config.attention_group_overhead)
         self._sessions: dict[str, TargetSession] = {}
@@ -385,8 +389,11 @@ class TargetEngine:
         self.stats.rows += len(rows)
         self.stats.tokens += packed.num_tokens
         self.stats.max_rows = max(self.stats.max_rows, len(rows))
-        out = packed_forward(self.model, self._store, packed, self._cache_kwarg, keep, needs_hidden)
-        logits = out.logits[0]  # [K, V]: the verify rows' tokens, in packed order
+        if self._lean is not None:
+            logits, final = self._lean(self._store, packed, keep, needs_hidden)  # [K, V], [T, H] | None
+        else:
+            logits, final = packed_forward(self.model, self._store, packed, self._cache_kwarg, keep, needs_hidden)
+        # logits: the verify rows' tokens, in packed order
         per_row: list[torch.Tensor | None] = []
         k = 0
         for row, need in zip(rows, needs_logits):
@@ -394,7 +401,6 @@ class TargetEngine:
             k += len(row) if need else 0
         hidden = None
         if needs_hidden:
-            final = out.hidden_states[-1][0]  # [T, H]
             hidden = [final[offsets[b]:offsets[b + 1]] for b in range(len(rows))]
         return per_row, hidden
 

@@ -51,11 +51,11 @@ class SlotStore:
     def layer(self, layer_idx: int, like: torch.Tensor, num_slots: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer storage holding at least ``num_slots`` slots of ``length`` positions (grown if needed).
 
-        like: [B, H_kv, Q, D] the layer's new keys (gives heads, head size, dtype, device on first use).
+        like: [T, H_kv, D] the layer's new keys (gives heads, head size, dtype, device on first use).
         """
         while len(self.keys) <= layer_idx:
-            self.keys.append(like.new_zeros(0, like.shape[1], 0, like.shape[3]))
-            self.values.append(like.new_zeros(0, like.shape[1], 0, like.shape[3]))
+            self.keys.append(like.new_zeros(0, like.shape[1], 0, like.shape[2]))
+            self.values.append(like.new_zeros(0, like.shape[1], 0, like.shape[2]))
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         have_slots, have_len = keys.shape[0], keys.shape[2]
         if num_slots > have_slots or length > have_len:
@@ -102,13 +102,24 @@ class SlotStore:
             if pair is None:
                 continue
             k, v = (t.to(device=device, dtype=dtype) for t in pair)  # [H_kv, L, D]
-            keys, values = self.layer(layer_idx, k.unsqueeze(0), slot + 1, k.shape[1])
+            keys, values = self.layer(layer_idx, k.transpose(0, 1), slot + 1, k.shape[1])
             keys[slot, :, :k.shape[1]] = k
             values[slot, :, :v.shape[1]] = v
 
     def read(self, layer_idx: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[H_kv, length, D] keys and values of one slot (for tests and debugging)."""
         return self.keys[layer_idx][slot, :, :length], self.values[layer_idx][slot, :, :length]
+
+
+def write_kv(store: SlotStore, layer_idx: int, packed: PackedBatch, keys_new: torch.Tensor,
+             values_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write a packed forward's new K/V of one layer, each token's at its (slot, position); keys_new, values_new:
+    [T, H_kv, D]. Returns the layer's whole storage [slots_alloc, H_kv, capacity, D] (grown if needed)."""
+    keys, values = store.layer(layer_idx, keys_new, packed.max_slot + 1, packed.kv_length)
+    slots, positions = packed.token_slots, packed.token_positions  # [T], [T]
+    keys.transpose(1, 2)[slots, positions] = keys_new
+    values.transpose(1, 2)[slots, positions] = values_new
+    return keys, values
 
 
 class _SlotLayer(CacheLayerMixin):
@@ -127,12 +138,8 @@ class _SlotLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """key_states, value_states: [1, H_kv, T, D] packed -> the layer's whole storage
         [slots_alloc, H_kv, capacity, D] (``packed_attention`` reads each group's slots from it)."""
-        b = self.batch
-        keys, values = b.store.layer(self.layer_idx, key_states, b.packed.max_slot + 1, b.packed.kv_length)
-        slots, positions = b.packed.token_slots, b.packed.token_positions  # [T], [T]
-        keys.transpose(1, 2)[slots, positions] = key_states[0].transpose(0, 1)  # [T, H_kv, D] into the slots
-        values.transpose(1, 2)[slots, positions] = value_states[0].transpose(0, 1)
-        return keys, values
+        return write_kv(self.batch.store, self.layer_idx, self.batch.packed, key_states[0].transpose(0, 1),
+                        value_states[0].transpose(0, 1))
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.batch.packed.kv_length, 0
@@ -154,12 +161,21 @@ class SlotBatch(Cache):
     def __init__(self, store: SlotStore, packed: PackedBatch, num_layers: int):
         self.store = store
         self.packed = packed
-        self._folded: dict[int, torch.Tensor] = {}
+        self.masks = FoldedMasks(packed)
         super().__init__(layers=[_SlotLayer(self, i) for i in range(num_layers)])
 
-    def folded_mask(self, group: int, rep: int) -> torch.Tensor:
-        """Group ``group``'s mask for ``rep`` query heads per K/V head folded into the query rows:
-        [G, 1, rep * Q_g, S_g] (row j * Q_g + i is query i of the j-th head); built once per forward."""
+
+class FoldedMasks:
+    """One packed forward's attention masks with the query heads that share a K/V head folded into the query
+    rows, built at the first layer and reused by the others."""
+
+    def __init__(self, packed: PackedBatch):
+        self.packed = packed
+        self._folded: dict[int, torch.Tensor] = {}
+
+    def get(self, group: int, rep: int) -> torch.Tensor:
+        """Group ``group``'s mask for ``rep`` query heads per K/V head: [G, 1, rep * Q_g, S_g] (row j * Q_g + i
+        is query i of the j-th head)."""
         if group not in self._folded:
             mask = self.packed.groups[group].attention_mask  # [G, 1, Q_g, S_g]
             self._folded[group] = mask.repeat(1, 1, rep, 1) if rep > 1 else mask
@@ -167,36 +183,46 @@ class SlotBatch(Cache):
 
 
 def packed_forward(model: torch.nn.Module, store: SlotStore, packed: PackedBatch, cache_arg: str,
-                   keep: list[int] | None = None, hidden: bool = False):
-    """One packed forward over the slots (``model`` set up by ``use_packed_attention``): every token's K/V go
-    into its slot; returns the model's output, logits only at the packed indices ``keep`` (all when None),
-    with the hidden states if ``hidden``. cache_arg: the forward's cache argument (``kvcache.cache_kwarg``)."""
+                   keep: list[int] | None = None, hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One packed forward of the model itself over the slots (``model`` set up by ``use_packed_attention``):
+    every token's K/V go into its slot. Returns [K, V] logits at the packed indices ``keep`` (all T when None;
+    only the last token's when empty) and, if ``hidden``, the final hidden states after the final norm [T, H].
+    cache_arg: the forward's cache argument (``kvcache.cache_kwarg``). ``verifier_service.lean`` computes the
+    same with less host work."""
     cache = SlotBatch(store, packed, model.config.num_hidden_layers)
     logits_to_keep = 0 if keep is None else (torch.tensor(keep, device=packed.input_ids.device) if keep else 1)
-    return model(input_ids=packed.input_ids,  # [1, T]
-                 position_ids=packed.position_ids,  # [1, T]
-                 attention_mask=PACKED_MASK,  # the real masks are per attention group (packed.groups)
-                 use_cache=True, output_hidden_states=hidden, logits_to_keep=logits_to_keep,
-                 specsplit_batch=cache, **{cache_arg: cache})
+    out = model(input_ids=packed.input_ids,  # [1, T]
+                position_ids=packed.position_ids,  # [1, T]
+                attention_mask=PACKED_MASK,  # the real masks are per attention group (packed.groups)
+                use_cache=True, output_hidden_states=hidden, logits_to_keep=logits_to_keep,
+                specsplit_batch=cache, **{cache_arg: cache})
+    return out.logits[0], (out.hidden_states[-1][0] if hidden else None)
 
 
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      specsplit_batch: SlotBatch | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """Attention of a packed forward, one padded SDPA call per attention group; plain SDPA otherwise.
-
-    query: [1, H, T, D] packed; key, value: the layer's slot storage [slots_alloc, H_kv, capacity, D].
-    Returns [1, T, H, D] (the layout HF's attention functions return).
-    """
+    """HF's attention interface: a packed forward's attention by groups (``attend_groups``); plain SDPA for any
+    other forward of the model. Returns ([1, T, H, D], None), the layout HF's attention functions return."""
     if specsplit_batch is None:  # any other forward of the same model (HF generate, a plain prefill)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    heads, total, head_dim = query.shape[1:]
+    return attend_groups(query[0].transpose(0, 1), key, value, specsplit_batch.masks, scaling)[None], None
+
+
+def attend_groups(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, masks: FoldedMasks,
+                  scaling: float | None) -> torch.Tensor:
+    """Attention of a packed forward's queries, one padded SDPA call per attention group.
+
+    query: [T, H, D] packed; key, value: the layer's slot storage [slots_alloc, H_kv, capacity, D].
+    Returns [T, H, D].
+    """
+    total, heads, head_dim = query.shape
     kv_heads = key.shape[1]
     rep = heads // kv_heads  # query heads per K/V head (GQA)
-    groups = specsplit_batch.packed.groups
-    padded = None  # [H, T + 1, D] the queries and one zero query (T) for padding, built once if needed
-    out = query.new_empty(total, heads, head_dim)  # [T, H, D]
+    groups = masks.packed.groups
+    padded = None  # [T + 1, H, D] the queries and one zero query (T) for padding, built once if needed
+    out = None  # [T, H, D], allocated once a second group needs it
     for i, group in enumerate(groups):
         s, size = group.kv_length, len(group.rows)
         if group.first_slot is not None:  # a view, no copy
@@ -206,26 +232,28 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
             k, v = key[:, :, :s].index_select(0, group.slots), value[:, :, :s].index_select(0, group.slots)
         if group.dense is not None:  # equal rows side by side: a view
             a, b = group.dense
-            q = query[0, :, a:b].unflatten(1, (size, -1)).transpose(0, 1)  # [G, H, Q_g, D]
+            q = query[a:b].unflatten(0, (size, -1)).transpose(1, 2)  # [G, H, Q_g, D]
         else:
             if padded is None:
-                padded = torch.cat([query[0], query.new_zeros(heads, 1, head_dim)], dim=1)
-            q = padded[:, group.query_index].transpose(0, 1)  # [G, H, Q_g, D]
+                padded = torch.cat([query, query.new_zeros(1, heads, head_dim)])
+            q = padded[group.query_index].transpose(1, 2)  # [G, Q_g, H, D] -> [G, H, Q_g, D]
         g, q_len = q.shape[0], q.shape[2]
         # GQA without copying K/V: the query heads that share a K/V head become rows of one query block,
         # [G, H, Q_g, D] -> [G, H_kv, rep * Q_g, D] (HF's order: query head h reads K/V head h // rep).
         q = q.reshape(g, kv_heads, rep * q_len, head_dim)
         # reshape, not view: CUDA's fused kernels return [G, H_kv, rep * Q_g, D] as a transpose of
         # [G, rep * Q_g, H_kv, D], which no view can split back into heads.
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=specsplit_batch.folded_mask(i, rep),
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=masks.get(i, rep),
                                            scale=scaling).reshape(g, heads, q_len, head_dim)  # [G, H, Q_g, D]
+        if group.dense is not None and len(groups) == 1:
+            return o.transpose(1, 2).reshape(total, heads, head_dim)
+        if out is None:
+            out = query.new_empty(total, heads, head_dim)
         if group.dense is not None:
-            if len(groups) == 1:
-                return o.transpose(1, 2).reshape(1, total, heads, head_dim), None
             out[a:b] = o.transpose(1, 2).flatten(0, 1)  # [T_g, H, D]
         else:
             out[group.token_index] = o[group.out_rows, :, group.out_offsets]  # [T_g, H, D]
-    return out[None], None
+    return out
 
 
 PACKED_ATTENTION = "specsplit_packed"

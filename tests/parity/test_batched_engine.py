@@ -85,9 +85,12 @@ def run_sessions(target, prompts, references, config):
     return [out.get(i) for i in range(len(prompts))], engine
 
 
-def test_batched_sessions_each_get_their_hf_greedy_tokens(target, prompts, references):
-    config = VerifierConfig(max_batch=32, batch_wait_ms=500, prefill_chunk=16, max_sessions=16)
+@pytest.mark.parametrize("lean_forward", [True, False], ids=["lean", "hf-forward"])
+def test_batched_sessions_each_get_their_hf_greedy_tokens(target, prompts, references, lean_forward):
+    config = VerifierConfig(max_batch=32, batch_wait_ms=500, prefill_chunk=16, max_sessions=16,
+                            lean_forward=lean_forward)
     tokens, engine = run_sessions(target, prompts, references, config)
+    assert (engine._lean is not None) == lean_forward
     for i, reference in enumerate(references):
         assert tokens[i] == reference[:NEW_TOKENS], f"session {i} (prompt of {PROMPT_LENGTHS[i]} tokens)"
     assert engine.stats.max_rows >= len(prompts) // 2  # sessions really shared forwards
@@ -140,14 +143,21 @@ def test_session_cap_answers_resource_exhausted_at_once(target):
         engine.close()
 
 
-def test_prefill_backlog_cap_answers_resource_exhausted_at_once(target):
+def before_each_forward(engine, monkeypatch, action) -> None:
+    """Run ``action()`` on the model thread as each packed forward starts (the lean one or the model's own)."""
+    forward = engine._forward
+
+    def wrapped(*args, **kwargs):
+        action()
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_forward", wrapped)
+
+
+def test_prefill_backlog_cap_answers_resource_exhausted_at_once(target, monkeypatch):
     engine = TargetEngine(target, VerifierConfig(prefill_chunk=8, max_queued_prefill_tokens=100))
     gate = threading.Event()
-
-    def hold(*_):  # holds the model thread until the gate opens
-        gate.wait(10)
-
-    hook = target.model.register_forward_pre_hook(hold)
+    before_each_forward(engine, monkeypatch, lambda: gate.wait(10))  # holds the model thread until the gate opens
     try:
         first = threading.Thread(target=engine.prefill, args=("long", list(range(3, 93))))
         first.start()
@@ -162,21 +172,25 @@ def test_prefill_backlog_cap_answers_resource_exhausted_at_once(target):
         assert engine.prefill("more", list(range(3, 53)))[0] == 50  # the backlog drained
     finally:
         gate.set()
-        hook.remove()
         engine.close()
 
 
-def test_a_failed_forward_changes_no_session(target):
+def test_a_failed_forward_changes_no_session(target, monkeypatch):
     engine = TargetEngine(target, VerifierConfig())
     prompt = [258, 1, 2, 3, 4]
+    failing = threading.Event()
+
+    def boom():
+        if failing.is_set():
+            raise RuntimeError("boom")
+
+    before_each_forward(engine, monkeypatch, boom)
     try:
         engine.prefill("s", prompt)
-        boom = target.model.register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("boom")))
-        try:
-            with pytest.raises(RuntimeError, match="boom"):
-                engine.verify("s", TokenTree.chain([7, 8]), len(prompt))
-        finally:
-            boom.remove()
+        failing.set()
+        with pytest.raises(RuntimeError, match="boom"):
+            engine.verify("s", TokenTree.chain([7, 8]), len(prompt))
+        failing.clear()
         first = engine.verify("s", TokenTree.empty(), len(prompt)).verdict.next_token_id
         second = engine.verify("s", TokenTree.empty(), len(prompt) + 1).verdict.next_token_id
         assert [first, second] == hf_greedy(target.model, prompt, 2)

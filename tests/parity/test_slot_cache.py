@@ -11,6 +11,7 @@ from specsplit.kvcache import cache_kwarg, new_cache
 from specsplit.tree import TokenTree
 from tiny import tiny_llama
 from verifier_service.batching import pack_rows, prefill_row, verify_row
+from verifier_service.lean import LeanPackedLlama
 from verifier_service.slots import SlotStore, packed_forward, use_packed_attention
 
 PREFIXES = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38], [5], [26, 53, 58, 97, 93, 23, 84], list(range(40, 75))]
@@ -32,9 +33,9 @@ def packed_model(seed):
 def forward(model, store, rows):
     """Per row its [Q_b, V] logits, from one packed forward."""
     packed = pack_rows(rows, torch.float32)
-    out = packed_forward(model, store, packed, cache_kwarg(model))
+    logits, _ = packed_forward(model, store, packed, cache_kwarg(model))  # [T, V]
     offsets = packed.row_offsets
-    return [out.logits[0, a:b] for a, b in zip(offsets, offsets[1:])]
+    return [logits[a:b] for a, b in zip(offsets, offsets[1:])]
 
 
 def prefill_all(model, store, slots, chunk):
@@ -137,7 +138,7 @@ def test_one_tick_of_compactions_moves_each_accepted_row_after_its_own_prefix():
     store = SlotStore(8)
     before = []
     for layer in range(2):
-        keys, values = store.layer(layer, torch.zeros(1, 2, 1, 4), 6, 20)  # like: [B, H_kv, Q, D]
+        keys, values = store.layer(layer, torch.zeros(1, 2, 4), 6, 20)  # like: [T, H_kv, D]
         keys.copy_(torch.randn_like(keys))
         values.copy_(torch.randn_like(values))
         before.append((keys.clone(), values.clone()))
@@ -151,3 +152,34 @@ def test_one_tick_of_compactions_moves_each_accepted_row_after_its_own_prefix():
                     t[slot, :, keep_from + i] = old[slot, :, keep_from + r]
         assert torch.equal(store.keys[layer], expected[0]) and torch.equal(store.values[layer], expected[1])
     assert not torch.equal(store.keys[0], before[0][0])  # something did move
+
+
+def test_the_lean_packed_forward_is_bit_identical_to_the_models_own():
+    """Prefill chunks, then trees beside a new session's chunk (several attention groups, gathered slots): the
+    lean forward's logits, hidden states and written K/V equal the model's own packed forward exactly."""
+    model = packed_model(7)
+    lean = LeanPackedLlama(model)
+    stores = {"hf": SlotStore(max_slots=8, grow_tokens=16), "lean": SlotStore(max_slots=8, grow_tokens=16)}
+    slots = [2, 0, 3, 1]
+    late = list(range(100, 160))
+    done = [0] * len(PREFIXES)
+    ticks = []
+    while any(d < len(p) for d, p in zip(done, PREFIXES)):
+        ticks.append([prefill_row(slots[i], done[i], p[done[i]:done[i] + 6]) for i, p in enumerate(PREFIXES)
+                      if done[i] < len(p)])
+        done = [min(len(p), d + 6) for d, p in zip(done, PREFIXES)]
+    trees = [verify_row(s, len(p), root, tree) for s, p, root, tree in zip(slots, PREFIXES, ROOTS, TREES)]
+    ticks.append(trees[:1] + [prefill_row(4, 0, late)] + trees[1:])
+    ticks.append(trees)  # equal rows' lengths differ: 8, 4, 1, 5
+    with torch.no_grad():
+        for rows in ticks:
+            packed = pack_rows(rows, torch.float32)
+            keep = list(range(0, packed.num_tokens, 2))
+            expected = packed_forward(model, stores["hf"], packed, cache_kwarg(model), keep, hidden=True)
+            got = lean(stores["lean"], packed, keep, hidden=True)
+            assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+            assert torch.equal(lean(stores["lean"], packed, [])[0], packed_forward(
+                model, stores["hf"], packed, cache_kwarg(model), [])[0])  # no logits needed: the last token's
+    for layer in range(model.config.num_hidden_layers):
+        assert torch.equal(stores["lean"].keys[layer], stores["hf"].keys[layer])
+        assert torch.equal(stores["lean"].values[layer], stores["hf"].values[layer])

@@ -78,3 +78,30 @@ def test_half_draft_in_its_own_process_matches_hf_greedy(target, drafter, kind):
         assert sum(s.num_accepted for s in drafted) >= 0.8 * sum(s.num_draft_tokens for s in drafted)
     else:  # a rename copies long spans of the prompt
         assert max(s.tree_depth for s in drafted) >= 8
+
+
+def test_lean_packed_forward_is_bit_identical_on_smollm2(target):
+    """The verifier's default (lean) packed forward against the model's own, on the real weights: a prompt chunk
+    beside another session's tree, then both sessions' trees (several attention groups)."""
+    import torch
+
+    from specsplit.kvcache import cache_kwarg
+    from specsplit.tree import TokenTree
+    from verifier_service.batching import pack_rows, prefill_row, verify_row
+    from verifier_service.lean import LeanPackedLlama
+    from verifier_service.slots import SlotStore, packed_forward, use_packed_attention
+
+    use_packed_attention(target.model)
+    lean = LeanPackedLlama(target.model)
+    prompts = [target.tokenizer(PROMPTS[k]).input_ids for k in ("summarize", "code_edit")]
+    tree = TokenTree((11, 12, 13, 14, 15), (-1, -1, 0, 1, 3))
+    ticks = [[prefill_row(0, 0, prompts[0])],
+             [verify_row(0, len(prompts[0]), 5, tree), prefill_row(1, 0, prompts[1])],
+             [verify_row(0, len(prompts[0]), 5, TokenTree.chain([6, 7])), verify_row(1, len(prompts[1]), 9, tree)]]
+    stores = [SlotStore(4), SlotStore(4)]
+    with torch.no_grad():
+        for rows in ticks:
+            packed = pack_rows(rows, torch.float32)
+            expected = packed_forward(target.model, stores[0], packed, cache_kwarg(target.model), None, hidden=True)
+            got = lean(stores[1], packed, None, hidden=True)
+            assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
