@@ -302,8 +302,8 @@ class TargetEngine:
         rows, owners = [rows[b] for b in by_slot], [owners[b] for b in by_slot]
         start = time.perf_counter()
         try:
-            logits, hidden = self._forward(rows, [isinstance(w, VerifyWork) for w in owners],
-                                           any(w.session.needs_hidden for w in owners))
+            logits, argmax, hidden = self._forward(rows, [isinstance(w, VerifyWork) for w in owners],
+                                                   any(w.session.needs_hidden for w in owners))
             if self.device.type == "cuda":  # kernels run asynchronously: time (and cost) the forward, not its launch
                 torch.cuda.synchronize(self.device)
         except BaseException as err:  # nothing was committed: every session stays as it was
@@ -315,14 +315,14 @@ class TargetEngine:
         shares = cost_shares([len(r) for r in rows], self.config.forward_overhead_tokens, forward_ms)
         moves: list[tuple[int, int, tuple[int, ...]]] = []  # this tick's compactions (slot, keep_from, rows)
         try:
-            self._answer_rows(rows, owners, logits, hidden, shares, continuing, moves)
+            self._answer_rows(rows, owners, logits, argmax, hidden, shares, continuing, moves)
         finally:  # every accepted row's K/V move into place before the next tick reads the slots
             self._store.compact_many(moves)
         return continuing
 
     def _answer_rows(self, rows: list[Row], owners: list[Work], logits: list[torch.Tensor | None],
-                     hidden: list[torch.Tensor] | None, shares: list[float], continuing: list[Work],
-                     moves: list) -> None:
+                     argmax: list[list[int] | None], hidden: list[torch.Tensor] | None, shares: list[float],
+                     continuing: list[Work], moves: list) -> None:
         """Accept each verify row (its compaction added to ``moves``) and answer or continue its work."""
         for b, work in enumerate(owners):
             row_hidden = hidden[b] if hidden is not None and work.session.needs_hidden else None
@@ -333,7 +333,7 @@ class TargetEngine:
                 continue
             try:
                 start_position = work.session.cached_length
-                work.record(self._accept(work, logits[b], moves), start_position, row_hidden)  # [Q_b, V], [Q_b, H]
+                work.record(self._accept(work, logits[b], argmax[b], moves), start_position, row_hidden)
                 work.cost_ms += shares[b]
                 if work.burst_goes_on(self._eos, work.session.committed_length + 1 < self.max_context):
                     work.tree, work.tokens = TokenTree.empty(), 1  # the next step: the new pending token
@@ -378,10 +378,10 @@ class TargetEngine:
         proposal = self.medusa.propose(kept[-1]) if session.medusa else None
         return features, proposal
 
-    def _forward(self, rows: list[Row], needs_logits: list[bool],
-                 needs_hidden: bool = False) -> tuple[list[torch.Tensor | None], list[torch.Tensor] | None]:
-        """One packed forward of all rows: per row its [Q_b, V] logits (None where not needed: a prefill
-        chunk) and (needs_hidden) its final hidden states after the final norm [Q_b, H], same forward."""
+    def _forward(self, rows: list[Row], needs_logits: list[bool], needs_hidden: bool = False
+                 ) -> tuple[list[torch.Tensor | None], list[list[int] | None], list[torch.Tensor] | None]:
+        """One packed forward of all rows: per row its [Q_b, V] logits and their argmax [Q_b] (None where not
+        needed: a prefill chunk) and (needs_hidden) its final hidden states after the final norm [Q_b, H]."""
         packed = pack_rows(rows, self.dtype, self.device, self._group_overhead)
         offsets = packed.row_offsets
         keep = [i for b, need in enumerate(needs_logits) if need for i in range(offsets[b], offsets[b + 1])]
@@ -393,23 +393,27 @@ class TargetEngine:
             logits, final = self._lean(self._store, packed, keep, needs_hidden)  # [K, V], [T, H] | None
         else:
             logits, final = packed_forward(self.model, self._store, packed, self._cache_kwarg, keep, needs_hidden)
-        # logits: the verify rows' tokens, in packed order
+        # logits: the verify rows' tokens, in packed order; their argmax in one reduction and one copy to the
+        # host for the whole tick (per row, each would be a launch and a device sync on a GPU)
+        ids = logits.argmax(dim=-1).tolist() if keep else []  # [K]
         per_row: list[torch.Tensor | None] = []
+        per_row_ids: list[list[int] | None] = []
         k = 0
         for row, need in zip(rows, needs_logits):
             per_row.append(logits[k:k + len(row)] if need else None)
+            per_row_ids.append(ids[k:k + len(row)] if need else None)
             k += len(row) if need else 0
         hidden = None
         if needs_hidden:
             hidden = [final[offsets[b]:offsets[b + 1]] for b in range(len(rows))]
-        return per_row, hidden
+        return per_row, per_row_ids, hidden
 
-    def _accept(self, work: VerifyWork, logits: torch.Tensor, moves: list) -> Verdict:
-        """logits: [N+1, V] for root + nodes. Accept, queue the slot's compaction (the tick's end), commit."""
+    def _accept(self, work: VerifyWork, logits: torch.Tensor, argmax: list[int], moves: list) -> Verdict:
+        """logits: [N+1, V] for root + nodes, argmax: [N+1] their argmax. Accept, queue the slot's compaction
+        (the tick's end), commit."""
         session, tree = work.session, work.tree
         if session.sampling.greedy:
-            target_token_ids = logits.argmax(dim=-1).tolist()  # [N+1]
-            verdict = accept_greedy(tree, target_token_ids, work.max_commit)
+            verdict = accept_greedy(tree, argmax, work.max_commit)
         else:
             if session.sampling.seed is not None:  # per-round draws: another replica would draw the same
                 session.generator.manual_seed(round_seed(session.sampling.seed, session.committed_length))
