@@ -32,6 +32,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 
 from specsplit.client import Client  # noqa: E402
+from specsplit.config import VerifierConfig  # noqa: E402
 from specsplit.launch import default_proposers, start_stack  # noqa: E402
 from specsplit.models import load_model  # noqa: E402
 
@@ -328,6 +329,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per prompt and method (median)")
     parser.add_argument("--wait-idle", type=float, default=60.0,
                         help="before each timed run, wait up to this many seconds for other processes to go quiet")
+    parser.add_argument("--hf-forward", action="store_true",
+                        help="the verifier runs the model's own forward, not the lean one (VerifierConfig.lean_forward)")
     parser.add_argument("--busy-retries", type=int, default=2,
                         help="rerun a timed run this many times at most if other processes loaded the machine")
     return parser.parse_args(argv)
@@ -340,7 +343,8 @@ def main(argv=None) -> None:
     hf = HFWorker(args.threads)
     loaded = load_model(None, "cpu", "float32")
     results: dict[str, list[Row]] = {}
-    with start_stack(loaded, default_proposers("ngram", None, "cpu", "float32")) as stack, \
+    with start_stack(loaded, default_proposers("ngram", None, "cpu", "float32"),
+                     VerifierConfig(lean_forward=not args.hf_forward)) as stack, \
             Client(stack.address) as client, contextlib.closing(hf):
         warm_up(loaded, hf, client)
         for i, p in enumerate(prompts):

@@ -231,14 +231,12 @@ class TreeBuffers:
 def tree_attn_mask(tree: TokenTree) -> torch.Tensor:
     """[N+1, N+1] bool mask over root + nodes: each row sees the root, its ancestors and itself."""
     n = len(tree)
-    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)  # [N+1, N+1]
-    mask[:, 0] = True
+    rows = [[True] + [False] * n]  # built as lists, one tensor at the end: a tick builds one per session
     for i, parent in enumerate(tree.parents):
-        row = i + 1
-        if parent >= 0:
-            mask[row] = mask[parent + 1]
-        mask[row, row] = True
-    return mask
+        row = list(rows[parent + 1])  # the parent's row (the root's for a child of the root)
+        row[i + 1] = True
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.bool)  # [N+1, N+1]
 
 
 def build_buffers(tree: TokenTree, root_token: int, prefix_len: int, device: torch.device | str = "cpu") -> TreeBuffers:

@@ -108,15 +108,20 @@ def _attention_group(rows: list[Row], members: list[int], offsets: list[int], to
     members = sorted(members, key=lambda b: (rows[b].slot, b))  # slot order: contiguous slots are a view
     q_len = max(len(rows[b]) for b in members)
     kv_len = max(rows[b].start for b in members) + q_len  # S_g
-    allowed = torch.zeros(len(members), q_len, kv_len, dtype=torch.bool)  # [G, Q_g, S_g]
-    query_index = torch.full((len(members), q_len), total, dtype=torch.long)  # [G, Q_g]
+    # Built for all rows at once (a tick's host work grows with its rows; only the block masks go row by row).
+    starts = torch.tensor([rows[b].start for b in members])[:, None, None]  # [G, 1, 1]
+    lengths = torch.tensor([len(rows[b]) for b in members])[:, None]  # [G, 1]
+    query = torch.arange(q_len)  # [Q_g]
+    key = torch.arange(kv_len)  # [S_g]
+    real = query < lengths  # [G, Q_g] the row's own queries; the others are padding
+    allowed = (key < starts) & real[:, :, None]  # [G, Q_g, S_g]: each real query sees its session's cached prefix
+    allowed |= ~real[:, :, None] & (key == starts + query[:, None])  # a padding query sees only its own (padding)
+    #                                                                  key: finite, never read
     for g, b in enumerate(members):
         row, n = rows[b], len(rows[b])
-        allowed[g, :n, :row.start] = True  # the session's own cached prefix
-        allowed[g, :n, row.start:row.start + n] = row.block_mask
-        padding = torch.arange(n, q_len)  # a padding query sees only its own (padding) key: finite, never read
-        allowed[g, padding, row.start + padding] = True
-        query_index[g, :n] = torch.arange(offsets[b], offsets[b] + n)
+        allowed[g, :n, row.start:row.start + n] = row.block_mask  # its tree ancestors (causal for a prompt chunk)
+    first = torch.tensor([offsets[b] for b in members])[:, None]  # [G, 1]
+    query_index = torch.where(real, first + query, total)  # [G, Q_g] packed index; T (a zero query) for padding
     zero = torch.zeros((), dtype=dtype)
     neg = torch.tensor(torch.finfo(dtype).min, dtype=dtype)
     mask = torch.where(allowed, zero, neg)[:, None]  # [G, 1, Q_g, S_g]
