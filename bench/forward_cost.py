@@ -27,17 +27,7 @@ from specsplit.tree import TokenTree  # noqa: E402
 from verifier_service.batching import group_overhead_for, pack_rows, prefill_row, verify_row  # noqa: E402
 from verifier_service.lean import LeanPackedLlama  # noqa: E402
 from verifier_service.slots import SlotStore, packed_forward, use_packed_attention  # noqa: E402
-
-
-def proxy_model():
-    """SmolLM2's depth and heads at hidden 72 (head size 8), random weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=320, hidden_size=72, intermediate_size=144, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=4096,
-                         tie_word_embeddings=True)
-    return LlamaForCausalLM(config).eval()
+from proxy import proxy_model  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

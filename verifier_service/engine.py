@@ -53,7 +53,8 @@ from verifier_service.work import (BatchStats, ExportWork, ImportWork, PrefillRe
 
 tracer = trace.get_tracer(__name__)
 
-ACTIVE_WINDOW_S = 1.0  # a session answered this recently is expected back within batch_wait_ms
+ACTIVE_WINDOW_S = 1.0  # a session answered longer ago than this is idle: no tick waits for it
+TURNAROUND_DECAY = 0.7  # weight of a session's earlier rounds in its moving-average turnaround
 
 
 class TargetEngine:
@@ -82,7 +83,7 @@ class TargetEngine:
         cfg = self.config
         self._eos = frozenset(self.eos_token_ids)  # a decode burst stops after one of these
         self._scheduler = Scheduler(self._tick, cfg.max_batch, cfg.max_batch_tokens, cfg.batch_wait_ms / 1e3,
-                                    live_sessions=self._active_sessions, threads=cfg.threads)
+                                    expected=self._expected_sessions, threads=cfg.threads)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -97,10 +98,13 @@ class TargetEngine:
     def close(self) -> None:
         self._scheduler.close()
 
-    def _active_sessions(self) -> int:
-        """Sessions a tick may wait for: those answered within the last ACTIVE_WINDOW_S (an idle one is not)."""
+    def _expected_sessions(self, deadline: float) -> set[int]:
+        """The sessions (ids) a tick waits for until ``deadline``: answered within the last ACTIVE_WINDOW_S and,
+        by their usual turnaround, back by then. One whose edge usually takes longer (a far network, a slow
+        draft) is not waited for -- the model would idle for it -- and rides in a later tick instead."""
         recent = time.perf_counter() - ACTIVE_WINDOW_S
-        return sum(s.answered_at > recent for s in list(self._sessions.values()))
+        return {id(s) for s in list(self._sessions.values())
+                if s.answered_at > recent and s.answered_at + s.turnaround_s <= deadline}
 
     # -- the API (any thread) ------------------------------------------------------------------------
     def prefill(self, session_id: str, prompt_token_ids: list[int], sampling: SamplingParams | None = None,
@@ -292,7 +296,13 @@ class TargetEngine:
                 owners.append(work)
                 if work.verdict is None:  # a request's first tick (not a burst's next step)
                     work.queue_ms = (tick_start - work.enqueued) * 1e3
-                    self.stats.think_ms += (work.enqueued - session.answered_at) * 1e3
+                    think = work.enqueued - session.answered_at  # [s] answer -> this request
+                    if session.verifies:  # a round trip (the first Verify follows a Prefill or an import)
+                        session.turnaround_avg_s = think if not session.turnaround_avg_s else (
+                            TURNAROUND_DECAY * session.turnaround_avg_s + (1 - TURNAROUND_DECAY) * think)
+                        session.turnaround_s = min(think, session.turnaround_avg_s)
+                    session.verifies += 1
+                    self.stats.think_ms += think * 1e3
                     self.stats.thinks += 1
         self.stats.ticks += 1
         continuing: list[Work] = []

@@ -2,8 +2,9 @@
 
 Requests (a Verify, a Prefill, a Release) arrive from gRPC threads as ``Work`` and wait on a future.
 One thread takes them in arrival order into a *tick*: up to ``max_batch`` works and ``max_tokens``
-tokens, waiting at most ``wait_s`` after the first for the rest of the cohort (and not at all once
-every live session has something in the tick). Two works of one session never share a tick: the
+tokens, waiting at most ``wait_s`` after the first for the sessions expected back by then (and not at
+all once they all have something in the tick; a session whose round trip usually takes longer is not
+waited for, so a far or slow edge never holds everyone's forward). Two works of one session never share a tick: the
 second ends the gathering and opens the next tick. Work that needs more ticks (a long Prefill, one
 chunk per tick) goes first in the next one.
 
@@ -38,13 +39,15 @@ _STOP = object()
 
 class Scheduler:
     def __init__(self, run_tick: Callable[[list[Work]], list[Work]], max_batch: int, max_tokens: int, wait_s: float,
-                 live_sessions: Callable[[], int] = lambda: 1 << 30, name: str = "verifier", threads: int = 0):
+                 expected: Callable[[float], set[int]] | None = None, name: str = "verifier", threads: int = 0):
         """run_tick(works) runs one tick, resolves what finished and returns the works that continue.
+        expected(deadline): the ``id``s of the work keys (sessions) a tick waits for until ``deadline`` (a
+        perf_counter time); None: always wait the whole ``wait_s``.
         threads: torch CPU threads of the ticks (0: the process's; OpenMP's count is per calling thread)."""
         self.run_tick = run_tick
         self.threads = threads
         self.max_batch, self.max_tokens, self.wait_s = max_batch, max_tokens, wait_s
-        self.live_sessions = live_sessions
+        self.expected = expected
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._carry: collections.deque[Work] = collections.deque()  # first in the next tick
         self._closed = False
@@ -86,6 +89,7 @@ class Scheduler:
         """The next tick's works (None once closed)."""
         batch: list[Work] = []
         keys: set[int] = set()
+        missing: set[int] | None = None  # expected sessions not in the tick yet (None: wait for anyone)
         tokens, deadline = 0, 0.0
         while len(batch) < self.max_batch:
             if self._carry:
@@ -93,8 +97,8 @@ class Scheduler:
             else:
                 if not batch:
                     timeout = None  # idle: block until something arrives
-                elif len(keys) >= self.live_sessions():
-                    timeout = 0.0  # every live session is in: take only what is already queued
+                elif missing is not None and not missing:
+                    timeout = 0.0  # every expected session is in: take only what is already queued
                 else:
                     timeout = max(0.0, deadline - time.perf_counter())
                 work = self._get(timeout)
@@ -110,8 +114,11 @@ class Scheduler:
                 break
             if not batch:
                 deadline = time.perf_counter() + self.wait_s
+                missing = self.expected(deadline) if self.expected is not None else None
             batch.append(work)
             keys.add(id(work.key))
+            if missing is not None:
+                missing.discard(id(work.key))
             tokens += work.tokens
         return batch
 

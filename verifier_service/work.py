@@ -29,6 +29,13 @@ class TargetSession:
     slot: int = -1  # its KV slot, taken on the model thread by the first Prefill tick
     released: bool = False
     answered_at: float = 0.0  # perf_counter when its last request was answered
+    # Its time from an answer to its next Verify (network both ways, orchestrator, draft): a tick does not wait
+    # for a session that will not be back within batch_wait_ms. The lower of the last one and a moving average
+    # (one slow round -- a pause, say -- neither sticks nor counts alone). Measured from its second Verify on
+    # (the gap after a Prefill is no round trip); 0 until then: waited for.
+    turnaround_s: float = 0.0
+    turnaround_avg_s: float = 0.0
+    verifies: int = 0  # Verify requests it has sent here
     return_features: bool = False  # answer each Prefill/Verify with the features of the newly cached positions
     medusa: bool = False  # answer each Prefill/Verify with a Medusa proposal tree
 

@@ -245,3 +245,34 @@ def test_a_seeded_sampled_burst_draws_what_single_steps_draw(target):
     finally:
         for engine in engines:
             engine.close()
+
+
+def test_a_tick_does_not_wait_for_a_session_whose_round_trip_is_longer(target, prompts, references):
+    """A far edge (its next Verify comes 0.4 s after each answer) must not hold a near one's ticks for the whole
+    batch wait (0.25 s) every round: once the verifier has seen its turnaround, the near session runs alone."""
+    engine = TargetEngine(target, VerifierConfig(batch_wait_ms=250))
+    near, far = prompts[3], prompts[5]
+    done = threading.Event()
+
+    def far_edge():
+        engine.prefill("far", far)
+        length = len(far)
+        while not done.is_set():
+            time.sleep(0.4)
+            length = engine.verify("far", TokenTree.empty(), length).committed_length
+
+    thread = threading.Thread(target=far_edge)
+    try:
+        thread.start()
+        engine.prefill("near", near)
+        time.sleep(1.0)  # the far session's turnaround is measured
+        committed, start = [], time.perf_counter()
+        while len(committed) < 12:
+            result = engine.verify("near", TokenTree.empty(), len(near) + len(committed))
+            committed.extend(result.verdict.committed_token_ids)
+        assert time.perf_counter() - start < 12 * 0.25 / 2  # waiting for the far session: >= 12 x 0.25 s
+        assert committed == references[3][:12]
+    finally:
+        done.set()
+        thread.join(timeout=10)
+        engine.close()

@@ -136,20 +136,33 @@ def test_scheduler_never_puts_two_works_of_one_session_in_a_tick():
     assert rec.ticks[1:] == [["a1", "b1"], ["a2", "c1"]]
 
 
-def test_scheduler_waits_for_the_cohort_but_not_for_absent_sessions():
+def test_scheduler_waits_for_the_sessions_expected_back_but_not_for_the_others():
     rec = Recorder()
-    live = [2]
-    sched = Scheduler(rec, max_batch=8, max_tokens=100, wait_s=0.3, live_sessions=lambda: live[0])
+    expected = [{"a", "b"}]
+    asked = []
+
+    def expect(deadline):
+        asked.append(deadline)
+        return {id(k) for k in expected[0]}
+
+    sched = Scheduler(rec, max_batch=8, max_tokens=100, wait_s=0.3, expected=expect)
     try:
         first = sched.submit(named("a", 1, "a"))
         time.sleep(0.1)
         second = sched.submit(named("b", 1, "b"))  # within the wait: same tick
         first.result(timeout=5), second.result(timeout=5)
         assert rec.ticks == [["a", "b"]]
-        live[0] = 1
+        expected[0] = {"a"}  # b is idle, or will not be back before the deadline
         start = time.perf_counter()
         sched.submit(named("a", 1, "alone")).result(timeout=5)
-        assert time.perf_counter() - start < 0.2  # the only live session is in: no waiting
+        assert time.perf_counter() - start < 0.2  # the only expected session is in: no waiting
+        expected[0] = {"c"}  # a (new) and c (expected back) share a tick though c comes late
+        first = sched.submit(named("a", 1, "a2"))
+        time.sleep(0.1)
+        second = sched.submit(named("c", 1, "c"))
+        first.result(timeout=5), second.result(timeout=5)
+        assert rec.ticks[-1] == ["a2", "c"]
+        assert all(d > 0 for d in asked)
     finally:
         sched.close()
 
