@@ -38,23 +38,20 @@ from specsplit.accept import Verdict, accept_greedy
 from specsplit.config import VerifierConfig
 from specsplit.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from specsplit.features import Features
-from specsplit.kvcache import cache_kwarg
-from specsplit.llama import supports
 from specsplit.models import LoadedModel
 from specsplit.sampling import SamplingParams, accept_sampled, distribution, round_seed, session_generator
 from specsplit.tree import TokenTree
 from verifier_service import offload
 from verifier_service.batching import Row, cost_shares, group_overhead_for, pack_rows, prefill_row, verify_row
 from verifier_service.scheduler import Scheduler, Work
-from verifier_service.lean import LeanPackedLlama
-from verifier_service.slots import SlotStore, packed_forward, use_packed_attention
+from verifier_service.lean import packed_forward_for
+from verifier_service.slots import SlotStore
 from verifier_service.work import (BatchStats, ExportWork, ImportWork, PrefillResult, PrefillWork, ReleaseWork,
                                    TargetSession, VerifyResult, VerifyWork)
 
 tracer = trace.get_tracer(__name__)
 
 ACTIVE_WINDOW_S = 1.0  # a session answered longer ago than this is idle: no tick waits for it
-TURNAROUND_DECAY = 0.7  # weight of a session's earlier rounds in its moving-average turnaround
 
 
 class TargetEngine:
@@ -71,10 +68,7 @@ class TargetEngine:
         self.dtype = self.model.dtype
         self.stats = BatchStats()
         self._num_layers = int(self.model.config.num_hidden_layers)
-        use_packed_attention(self.model)
-        self._cache_kwarg = cache_kwarg(self.model)  # ``cache`` (transformers >= 5.2x) or ``past_key_values``
-        # The same packed forward with less host work (bit-identical logits), for the models it runs.
-        self._lean = LeanPackedLlama(self.model) if self.config.lean_forward and supports(self.model) else None
+        self._packed_forward = packed_forward_for(self.model, self.config.lean_forward)
         self._store = SlotStore(self.config.max_sessions, self.config.kv_grow_tokens)
         self._group_overhead = group_overhead_for(self.device, self.config.attention_group_overhead)
         self._sessions: dict[str, TargetSession] = {}
@@ -296,13 +290,7 @@ class TargetEngine:
                 owners.append(work)
                 if work.verdict is None:  # a request's first tick (not a burst's next step)
                     work.queue_ms = (tick_start - work.enqueued) * 1e3
-                    think = work.enqueued - session.answered_at  # [s] answer -> this request
-                    if session.verifies:  # a round trip (the first Verify follows a Prefill or an import)
-                        session.turnaround_avg_s = think if not session.turnaround_avg_s else (
-                            TURNAROUND_DECAY * session.turnaround_avg_s + (1 - TURNAROUND_DECAY) * think)
-                        session.turnaround_s = min(think, session.turnaround_avg_s)
-                    session.verifies += 1
-                    self.stats.think_ms += think * 1e3
+                    self.stats.think_ms += session.verify_arrived(work.enqueued) * 1e3
                     self.stats.thinks += 1
         self.stats.ticks += 1
         continuing: list[Work] = []
@@ -399,10 +387,7 @@ class TargetEngine:
         self.stats.rows += len(rows)
         self.stats.tokens += packed.num_tokens
         self.stats.max_rows = max(self.stats.max_rows, len(rows))
-        if self._lean is not None:
-            logits, final = self._lean(self._store, packed, keep, needs_hidden)  # [K, V], [T, H] | None
-        else:
-            logits, final = packed_forward(self.model, self._store, packed, self._cache_kwarg, keep, needs_hidden)
+        logits, final = self._packed_forward(self._store, packed, keep=keep, hidden=needs_hidden)  # [K, V], [T, H]
         # logits: the verify rows' tokens, in packed order; their argmax in one reduction and one copy to the
         # host for the whole tick (per row, each would be a launch and a device sync on a GPU)
         ids = logits.argmax(dim=-1).tolist() if keep else []  # [K]

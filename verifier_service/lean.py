@@ -14,14 +14,16 @@ copies), in its dtype and on its device.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from specsplit.kvcache import cache_kwarg
 from specsplit.llama import rms_norm, supports
 from verifier_service.batching import PackedBatch
-from verifier_service.slots import FoldedMasks, SlotStore, attend_groups, write_kv
+from verifier_service.slots import FoldedMasks, SlotStore, attend_groups, packed_forward, use_packed_attention, write_kv
 
 
 @dataclass(frozen=True)
@@ -98,3 +100,13 @@ class LeanPackedLlama:
         else:
             kept = x[-1:]  # [1, H]
         return F.linear(kept, self.lm_head), (x if hidden else None)  # [K, V], [T, H]
+
+
+def packed_forward_for(model: torch.nn.Module, lean: bool = True):
+    """The packed forward a verifier runs for ``model``, ``(store, packed, keep=, hidden=) -> ([K, V] logits,
+    [T, H] final hidden states | None)``: the lean one where it runs the model and ``lean``, else the model's own
+    (set up here for packed attention; its other forwards stay plain SDPA)."""
+    use_packed_attention(model)
+    if lean and supports(model):
+        return LeanPackedLlama(model)
+    return functools.partial(packed_forward, model, cache_arg=cache_kwarg(model))

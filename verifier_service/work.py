@@ -20,6 +20,9 @@ from verifier_service import offload
 from verifier_service.scheduler import Work
 
 
+TURNAROUND_DECAY = 0.7  # weight of a session's earlier rounds in its moving-average turnaround
+
+
 @dataclass(eq=False)
 class TargetSession:
     token_ids: list[int]  # [committed_length] prompt + generated
@@ -42,6 +45,17 @@ class TargetSession:
     @property
     def needs_hidden(self) -> bool:
         return self.return_features or self.medusa
+
+    def verify_arrived(self, enqueued: float) -> float:
+        """A Verify of this session was queued at ``enqueued`` (perf_counter): its think time [s] since the last
+        answer, which also updates the session's turnaround (from its second Verify on)."""
+        think = enqueued - self.answered_at
+        if self.verifies:  # a round trip (the first Verify follows a Prefill or an import)
+            self.turnaround_avg_s = think if not self.turnaround_avg_s else (
+                TURNAROUND_DECAY * self.turnaround_avg_s + (1 - TURNAROUND_DECAY) * think)
+            self.turnaround_s = min(think, self.turnaround_avg_s)
+        self.verifies += 1
+        return think
 
     @property
     def committed_length(self) -> int:

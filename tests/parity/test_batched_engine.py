@@ -20,6 +20,7 @@ from specsplit.sampling import SamplingParams
 from specsplit.tree import TokenTree
 from tiny import VOCAB, hf_greedy, tiny_loaded
 from verifier_service.engine import TargetEngine
+from verifier_service.lean import LeanPackedLlama
 
 NEW_TOKENS = 24
 PROMPT_LENGTHS = [1, 2, 5, 9, 17, 33, 40, 64, 3, 100, 12, 7]
@@ -90,7 +91,7 @@ def test_batched_sessions_each_get_their_hf_greedy_tokens(target, prompts, refer
     config = VerifierConfig(max_batch=32, batch_wait_ms=500, prefill_chunk=16, max_sessions=16,
                             lean_forward=lean_forward)
     tokens, engine = run_sessions(target, prompts, references, config)
-    assert (engine._lean is not None) == lean_forward
+    assert isinstance(engine._packed_forward, LeanPackedLlama) == lean_forward
     for i, reference in enumerate(references):
         assert tokens[i] == reference[:NEW_TOKENS], f"session {i} (prompt of {PROMPT_LENGTHS[i]} tokens)"
     assert engine.stats.max_rows >= len(prompts) // 2  # sessions really shared forwards
