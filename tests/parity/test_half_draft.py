@@ -43,11 +43,15 @@ def run(stack, prompt_ids, max_new_tokens, draft="half"):
     return [t for c in chunks for t in c.token_ids], [c.stats for c in chunks if c.stats is not None]
 
 
-@pytest.mark.parametrize("trigger,drafter", [("goodput", "half"), ("edgellm", "half"), ("fixed", "half"),
-                                             ("goodput", "half+ngram"), ("fixed", "half+ngram")])
-def test_half_draft_is_lossless(target, target_dir, trigger, drafter):
+INT8 = pytest.mark.skipif(torch.int8 not in STEP_DTYPES, reason="no weight-only int8 matmul here")
+
+
+@pytest.mark.parametrize("trigger,drafter,dtype", [
+    ("goodput", "half", None), ("edgellm", "half", None), ("fixed", "half", None), ("goodput", "half+ngram", None),
+    ("fixed", "half+ngram", None), pytest.param("goodput", "half", "int8", marks=INT8)])
+def test_half_draft_is_lossless(target, target_dir, trigger, drafter, dtype):
     proposer = make_proposer(drafter, device="cpu", target_model=str(target_dir),
-                             config=DraftConfig(grow_width=1, threads=1))
+                             config=DraftConfig(grow_width=1, threads=1), draft_dtype=dtype)
     calibration = proposer.calibration  # the fastest dtypes measured here; any of them keeps the output exact
     assert proposer.name == drafter and weight_dtype(proposer.model) == calibration.step_dtype
     many = weight_dtype(proposer.prefill_model if proposer.prefill_model is not None else proposer.model)
@@ -78,9 +82,14 @@ def test_calibration_keeps_the_fastest_measured_dtypes(target):
     assert given.step_dtype == torch.float16 and given.step_ms == {} and weight_dtype(models[torch.float16]) == torch.float16
 
 
-def test_draft_dtype_is_chosen(target_dir):
+def test_draft_dtype_is_chosen(target, target_dir):
     (bf16,) = default_proposers("half", None, "cpu", "float32", target_model=str(target_dir), draft_dtype="bfloat16")
     assert bf16.name == "half" and weight_dtype(bf16.model) == torch.bfloat16
+    if torch.int8 in STEP_DTYPES:  # int8 weights run on this CPU
+        (int8,) = default_proposers("half", None, "cpu", "float32", target_model=str(target_dir), draft_dtype="int8")
+        assert weight_dtype(int8.model) == torch.int8
+    with pytest.raises(ValueError, match="int8"):  # a Hugging Face copy of the model cannot hold int8 weights
+        calibrate(target.model, threads=1, step_dtypes=(torch.int8,), lean_forward=False)
     (model,) = default_proposers("model", str(target_dir), "cpu", "float32", draft_dtype="float16")
     assert model.name == "model" and model.model.dtype == torch.float16
     (same,) = default_proposers("model", str(target_dir), "cpu", "float32")

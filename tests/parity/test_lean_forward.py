@@ -87,13 +87,33 @@ def test_lean_cache_grows_past_its_capacity(model):
     torch.testing.assert_close(last, hf_logits(model, ids)[-1], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_lean_in_16_bit_weights_mostly_agrees(model, dtype):
+INT8 = pytest.param(torch.int8, marks=pytest.mark.skipif(not lean.int8_available(),
+                                                        reason="no weight-only int8 matmul in this torch"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, INT8])
+def test_lean_in_16_bit_or_int8_weights_mostly_agrees(model, dtype):
     draft = lean.LeanLlama(model, dtype)
     assert draft.weight_dtype == dtype and draft.dtype == torch.float32  # float32 activations and cache
     ids = torch.randint(0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(2))
     agree = (lean_logits(draft, ids).argmax(-1) == hf_logits(model, ids).argmax(-1)).float().mean()
     assert agree >= 0.8
+
+
+def test_int8_weights_round_to_within_half_a_step_per_row():
+    weight = torch.randn(48, 32, generator=torch.Generator().manual_seed(4))  # [N, K]
+    weight[3] = 0.0  # an all-zero row stays zero (no division by a zero scale)
+    int8 = lean.Int8Weight.of(weight)
+    assert int8.values.dtype == torch.int8 and int8.values.shape == (48, 32) and int8.scales.shape == (48,)
+    scales = int8.values.abs().amax(dim=1)  # [N] the largest entry of each row maps to +-127
+    assert scales[3] == 0 and bool((scales[torch.arange(48) != 3] == 127).all())
+    exact_scales = weight.abs().amax(dim=1) / 127.0  # [N] before rounding to bfloat16
+    assert float((int8.values.float() * exact_scales[:, None] - weight).abs().max()) <= float(exact_scales.max()) / 2 + 1e-6
+    if lean.int8_available():
+        x = torch.randn(5, 32, generator=torch.Generator().manual_seed(5))  # [Q, K]
+        exact = x @ weight.T  # [Q, N]
+        error = (int8.matmul(x).float() - exact).norm() / exact.norm()  # bfloat16 activations and scales, int8 weights
+        assert float(error) < 0.02
 
 
 def test_lean_refuses_other_architectures(model):
