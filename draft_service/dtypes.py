@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 STEP_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # one-token steps: the cheapest wins
 if lean.int8_available():
     STEP_DTYPES += (torch.int8,)  # int8 weights (lean forwards only)
+INT8_MIN_SPEEDUP = 1.25  # int8 steps are kept only this much faster than the fastest other dtype (pick_step_dtype)
 MANY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # prompts and copied spans
 MANY_TOKENS = 16  # a timed many-token forward (a copied span's length); timed steps run on a cache this long
 
@@ -86,11 +87,24 @@ def calibrate(model, threads: int = 0, step_dtypes=STEP_DTYPES, many_dtypes=MANY
         runner.close()
     step_ms = {d: times[d][0] for d in step_dtypes} if len(step_dtypes) > 1 else {}
     many_ms = {d: times[d][1] for d in many_dtypes} if len(many_dtypes) > 1 else {}
-    step = min(step_ms, key=step_ms.get) if step_ms else step_dtypes[0]
+    step = pick_step_dtype(step_ms) if step_ms else step_dtypes[0]
     many = min(many_ms, key=many_ms.get) if many_ms else many_dtypes[0]
     calibration = Calibration(step, many, step_ms, many_ms)
     log.info("half draft: %s", calibration.describe())
     return {d: models[d] for d in (step, many)}, calibration
+
+
+def pick_step_dtype(step_ms: dict) -> torch.dtype:
+    """The step dtype to keep from the timed ones ({dtype: ms}): the fastest, except that int8 weights, whose greedy
+    tokens agree with the target's less often (97.7% against float16's 99.8% on the Sapphire Rapids CPU), must beat
+    the fastest other dtype by INT8_MIN_SPEEDUP: a draft chain of 8 tokens is accepted whole ~16% less often."""
+    fastest = min(step_ms, key=step_ms.get)
+    others = {d: ms for d, ms in step_ms.items() if d != torch.int8}
+    if fastest == torch.int8 and others:
+        best_other = min(others, key=others.get)
+        if step_ms[torch.int8] * INT8_MIN_SPEEDUP > others[best_other]:
+            return best_other
+    return fastest
 
 
 def parse_draft_dtype(name: str | None) -> tuple[torch.dtype, ...]:

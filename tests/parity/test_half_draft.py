@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from draft_service.dtypes import MANY_DTYPES, STEP_DTYPES, calibrate, weight_dtype
+from draft_service.dtypes import MANY_DTYPES, STEP_DTYPES, calibrate, pick_step_dtype, weight_dtype
 from orchestrator.trigger import GoodputThreshold
 from specsplit.client import Client
 from specsplit.config import DraftConfig, OrchestratorConfig
@@ -73,13 +73,20 @@ def test_half_draft_is_lossless(target, target_dir, trigger, drafter, dtype):
 def test_calibration_keeps_the_fastest_measured_dtypes(target):
     models, calibration = calibrate(target.model, threads=1)
     assert set(calibration.step_ms) == set(STEP_DTYPES) and set(calibration.many_ms) == set(MANY_DTYPES)
-    assert calibration.step_dtype == min(calibration.step_ms, key=calibration.step_ms.get)
+    assert calibration.step_dtype == pick_step_dtype(calibration.step_ms)
     assert calibration.many_dtype == min(calibration.many_ms, key=calibration.many_ms.get)
     assert set(models) == {calibration.step_dtype, calibration.many_dtype}
     assert all(weight_dtype(model) == dtype for dtype, model in models.items())
     assert target.model.dtype == torch.float32  # the target itself is never converted
     models, given = calibrate(target.model, threads=1, step_dtypes=(torch.float16,))
     assert given.step_dtype == torch.float16 and given.step_ms == {} and weight_dtype(models[torch.float16]) == torch.float16
+
+
+def test_int8_steps_are_kept_only_when_clearly_faster():
+    assert pick_step_dtype({torch.float16: 50.0, torch.bfloat16: 60.0, torch.int8: 30.0}) == torch.int8
+    assert pick_step_dtype({torch.float16: 50.0, torch.bfloat16: 60.0, torch.int8: 45.0}) == torch.float16
+    assert pick_step_dtype({torch.float16: 50.0, torch.bfloat16: 40.0}) == torch.bfloat16
+    assert pick_step_dtype({torch.int8: 45.0}) == torch.int8
 
 
 def test_draft_dtype_is_chosen(target, target_dir):
