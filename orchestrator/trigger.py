@@ -196,20 +196,8 @@ class GoodputThreshold:
 
     def provisional_worth(self, branch_confidence: float) -> bool:
         """Draft provisionally from the sent branch only if it is accepted whole often enough: the chance
-        is branch_confidence^γ (the model fitted in ``observe``; before any outcome: assume so).
-
-        Pipelined, what the chance buys is known: kept tokens are the next tree, ~``pipeline_nodes`` draft forwards
-        the next round need not wait for, while a dropped branch costs at most the forward in flight when the verdict
-        arrives (half of one, on average). So there it is worth it from chance * pipeline_nodes >= (1 - chance) / 2.
-        (Measured with int8 half-draft weights on the Sapphire Rapids CPU, RTT 0-100 ms: with the fixed 0.3 every third
-        round, after a seeded branch of 3-4 tokens was accepted whole, started fresh (~130 ms of growth before its
-        verification) and goodput+prov ran 0.86-0.97x of fixed-4+prov, which always drafts provisionally.)"""
-        if not self.fitted:
-            return True
-        chance = branch_confidence ** self.gamma
-        if self.pipelined >= PIPELINE_MIN_SHARE:
-            return chance * self.pipeline_nodes() >= (1 - chance) / 2
-        return chance >= PROVISIONAL_MIN_CHANCE
+        is branch_confidence^γ (the model fitted in ``observe``; before any outcome: assume so)."""
+        return not self.fitted or branch_confidence ** self.gamma >= PROVISIONAL_MIN_CHANCE
 
     def _rates(self) -> tuple[float, float] | None:
         """(drafted, target-only) rounds' committed tokens per ms; None until both kinds were measured."""

@@ -2,8 +2,8 @@
 
 import pytest
 
-from orchestrator.trigger import (PROVISIONAL_MIN_CHANCE, EdgeLLMThreshold, FixedSize, GoodputThreshold, RoundOutcome,
-                                  fit_gamma, make_trigger, tree_confidence)
+from orchestrator.trigger import (EdgeLLMThreshold, FixedSize, GoodputThreshold, RoundOutcome, fit_gamma,
+                                  make_trigger, tree_confidence)
 
 
 def outcome(n_all, n_ok, committed=None, round_ms=100.0, steps=4, draft_ms=40.0, confidences=None):
@@ -94,18 +94,6 @@ def test_goodput_drafts_provisionally_only_behind_a_branch_likely_accepted_whole
     assert right.provisional_worth(0.3)
     assert not wrong.provisional_worth(0.7)
     assert FixedSize(4).provisional_worth(0.01) and EdgeLLMThreshold().provisional_worth(0.01)
-
-
-def test_pipelined_goodput_drafts_provisionally_while_the_kept_tokens_outweigh_a_dropped_forward():
-    # a draft over-confident by γ = 2, whose provisional drafting follows the committed path; 3 draft forwards
-    # (40 ms each) fit in one verification call (120 ms)
-    t = GoodputThreshold(gamma=2.0, fitted=True, pipelined=0.9, verify_ms=120.0, verify_step_ms=40.0)
-    assert t.pipeline_nodes() == 3
-    # worth it from chance = confidence^2 >= 1 / (1 + 2 * 3) = 1/7, i.e. confidence >= 0.378
-    assert t.provisional_worth(0.4) and 0.4 ** 2 < PROVISIONAL_MIN_CHANCE
-    assert not t.provisional_worth(0.35)
-    t.pipelined = 0.0  # not pipelined: the chance of 0.3 measured with the trained draft_lm
-    assert not t.provisional_worth(0.4) and t.provisional_worth(0.55)
 
 
 def test_goodput_pipelined_while_provisional_drafting_follows_the_committed_path():
