@@ -250,6 +250,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=DraftConfig.model_top_k, help="eagle/model tree: children per node")
     parser.add_argument("--depth", type=int, default=DraftConfig.model_depth, help="eagle/model tree: depth")
     parser.add_argument("--draft-threads", type=int, default=1, help="half: torch threads of its draft process")
+    parser.add_argument("--draft-dtype", default="", help="half: the draft's step dtype (float16, bfloat16, float32, int8; "
+                        "default: the fastest timed at start)")
     parser.add_argument("--trigger", default=OrchestratorConfig.trigger, choices=["goodput", "edgellm", "fixed", "budget"],
                         help="when model and eagle drafts are verified: streamed trees on a trigger, or budget "
                              "(whole trees sized by the acceptance/cost controller)")
@@ -286,7 +288,8 @@ def main(argv=None) -> None:
         medusa = load_medusa(artifacts["medusa"], target) if artifacts.get("medusa") is not None else None
         hf = HFWorker(args.threads, str(lm_dir) if lm_dir and "hf_assisted" in methods else None,
                       half_assistant="hf_assisted_half" in methods)
-        processes = [DraftProcess(["--draft", m, "--threads", str(args.draft_threads)])
+        dtype = ["--draft-dtype", args.draft_dtype] if args.draft_dtype else []
+        processes = [DraftProcess(["--draft", m, "--threads", str(args.draft_threads), *dtype])
                      for m in ("half", "half+ngram") if m in methods]
         results: list[Result] = []
         with start_stack(target, proposers, medusa=medusa, orchestrator_config=OrchestratorConfig(trigger=args.trigger),
@@ -302,7 +305,7 @@ def main(argv=None) -> None:
                 results += bench_prompt(p, methods, target, hf, client, args)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"model": target.name, "target_identity": target_identity(target), "threads": args.threads,
-            "draft_threads": args.draft_threads,
+            "draft_threads": args.draft_threads, "draft_dtype": args.draft_dtype or "auto",
             "max_new_tokens": args.max_new_tokens, "random_init": args.random_init, "artifacts": names,
             "skipped": skipped, "torch": torch.__version__, "cpus": os.cpu_count(),
             "tree": {"top_k": args.top_k, "depth": args.depth}, "trigger": args.trigger}

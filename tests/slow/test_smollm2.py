@@ -61,12 +61,21 @@ def test_draft_equals_target_on_smollm2(target):
     assert full_rounds and all(s.num_accepted == s.tree_depth for s in full_rounds)
 
 
-@pytest.mark.parametrize("drafter,kind", [("half", "chat"), ("half+ngram", "code_rename")])
-def test_half_draft_in_its_own_process_matches_hf_greedy(target, drafter, kind):
-    """The target in float16 as the draft, in a `specsplit serve draft` child (as the embedded CLI runs it)."""
+def _int8_here() -> bool:
+    from draft_service.lean import int8_available
+
+    return int8_available()
+
+
+@pytest.mark.parametrize("drafter,kind,dtype", [
+    ("half", "chat", ""), ("half+ngram", "code_rename", ""),
+    pytest.param("half", "chat", "int8", marks=pytest.mark.skipif(not _int8_here(), reason="no weight-only int8 matmul"))])
+def test_half_draft_in_its_own_process_matches_hf_greedy(target, drafter, kind, dtype):
+    """The target at the dtype its calibration picks as the draft, in a `specsplit serve draft` child (as the embedded CLI
+    runs it)."""
     from specsplit.launch import DraftProcess
 
-    process = DraftProcess(["--draft", drafter, "--threads", "1"])
+    process = DraftProcess(["--draft", drafter, "--threads", "1"] + (["--draft-dtype", dtype] if dtype else []))
     with start_stack(target, [], processes=[process]) as stack:
         chunks = list(Client(stack.address).generate(PROMPTS[kind], max_new_tokens=48, draft=drafter))
     assert process.proc.poll() is not None  # the stack stopped its draft process
@@ -74,7 +83,7 @@ def test_half_draft_in_its_own_process_matches_hf_greedy(target, drafter, kind):
     assert tokens == hf_greedy(target.model, chunks[0].prompt_token_ids, 48)
     drafted = [c.stats for c in chunks if c.stats and c.stats.num_draft_tokens]
     assert drafted
-    if drafter == "half":  # float16 almost always drafts the float32 target's greedy token
+    if drafter == "half":  # at any calibrated dtype (float16, int8, ...) it almost always drafts the target's greedy token
         assert sum(s.num_accepted for s in drafted) >= 0.8 * sum(s.num_draft_tokens for s in drafted)
     else:  # a rename copies long spans of the prompt
         assert max(s.tree_depth for s in drafted) >= 8
