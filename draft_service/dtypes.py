@@ -8,10 +8,11 @@ float32 174 ms, float16 108 ms, bfloat16 94 ms; a 165-token prompt float32 1.0 s
 5.4 s. So the half draft times each candidate once at start and keeps the fastest for each kind of forward.
 Whatever it picks, the output is unchanged: the target verifies in its own dtype.
 
-A CPU with PyTorch's weight-only int8 matmul also times int8 weights for steps (``lean.Int8Weight``): on a
-Sapphire Rapids CPU (1 thread, SmolLM2, a step on a 200-token cache) float32 57 ms, float16 58, bfloat16 63,
-int8 40 ms, with greedy agreement with the float32 target of 99.8% (float16), 98.8% (bfloat16) and 97.7%
-(int8): a draft's few lost tokens a hundred cost less than a third of every step's time.
+A CPU with PyTorch's weight-only int8 matmul also times int8 weights for steps (``lean.Int8Weight``), kept only
+when clearly the fastest (``pick_step_dtype``): on a Sapphire Rapids CPU (``bench/draft_dtypes.py``, 1 thread,
+SmolLM2, a step on a 200-token cache) float32 51 ms, float16 54, bfloat16 50, int8 33 ms, with greedy agreement
+with the float32 target of 99.8% (float16), 98.4% (bfloat16) and 97.7% (int8): two or three more rejected tokens a
+hundred, for a third off every step.
 
 On a CPU, a Llama-architecture target's copies run the lean forward (draft_service/lean.py): weights in the
 candidate dtype, activations and one shared KV cache in float32, so the step and many-token copies never

@@ -14,8 +14,9 @@ same math with less around it:
 
 Weights may be kept in a 16-bit dtype (the matmuls then run in it) or as int8 (``Int8Weight``: one scale per
 output row, the matmul fed bfloat16 activations) while activations, attention and the cache stay float32, so
-a step model and a many-token model of other weight dtypes share one cache with no casts. It is a draft: its tokens are proposals the float32 target verifies exactly, so it changes the
-chance a draft token is accepted (measured by the benches), never the output.
+a step model and a many-token model of other weight dtypes share one cache with no casts. It is a draft: its
+tokens are proposals the float32 target verifies exactly, so it changes the chance a draft token is accepted
+(measured by the benches), never the output.
 """
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ def int8_available(device: torch.device | str = "cpu") -> bool:
 class Int8Weight:
     """A linear's weight as int8 with one scale per output row (symmetric): weight ~ values * scales[:, None].
 
-    A one-token draft step is paced by reading the weights: a quarter of float32's bytes. Measured on a Sapphire
-    Rapids CPU (1 thread, SmolLM2, a step on a 200-token cache; /tmp/probe/int8_draft.py of the 2026-12-01
-    session): float32 57 ms, float16 58, bfloat16 63, int8 40 ms; greedy agreement with the float32 target
-    (teacher-forced, 8 prompts x 64 tokens) float16 99.8%, bfloat16 98.8%, int8 97.7%."""
+    A one-token draft step is paced by reading the weights: a quarter of float32's bytes. ``python
+    bench/draft_dtypes.py`` on a Sapphire Rapids CPU (1 thread, SmolLM2, a step on a 200-token cache): float32
+    51 ms, float16 54, bfloat16 50, int8 33 ms; greedy agreement with the float32 target (teacher-forced, 8
+    prompts x 64 tokens) float16 99.8%, bfloat16 98.4%, int8 97.7%."""
 
     values: torch.Tensor  # [N, K] int8
     scales: torch.Tensor  # [N] bfloat16
