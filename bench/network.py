@@ -362,7 +362,8 @@ def main(argv=None) -> int:
                                                    "--upstream", f"{hosts.cloud_ip}:{VERIFIER_PORT}",
                                                    "--rtt-ms", str(rtt)], "relay ")
             verifiers[str(rtt)] = f"{hosts.cloud_ip}:{port}"
-        drafter = {"model": ["--draft", "model", "--draft-model", draft_model], "half": ["--draft", "half", *model_args, *(["--draft-dtype", args.draft_dtype] if args.draft_dtype else [])],
+        half_dtype = ["--draft-dtype", args.draft_dtype] if args.draft_dtype else []
+        drafter = {"model": ["--draft", "model", "--draft-model", draft_model], "half": ["--draft", "half", *model_args, *half_dtype],
                    "eagle": ["--draft", "eagle", *model_args] + (["--draft-artifact", args.draft_artifact]
                                                                  if args.draft_artifact else [])}[args.drafter]
         width = ["--grow-width", str(args.grow_width)] if args.grow_width else []  # default: the service's

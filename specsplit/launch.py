@@ -70,6 +70,9 @@ def make_proposer(kind: str, draft_model: str | None = None, device: str | None 
         proposer.calibration = calibration
         return proposer
     if kind == "model":
+        if draft_dtype == "int8":
+            raise InvalidArgument("--draft-dtype int8 is for --draft half (its lean forward); a --draft model runs in "
+                                  "float16, bfloat16 or float32")
         if loaded is None:
             if not draft_model:
                 raise InvalidArgument("--draft model needs --draft-model PATH (a local Hugging Face causal LM)")

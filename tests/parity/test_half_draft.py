@@ -15,6 +15,7 @@ from draft_service.dtypes import MANY_DTYPES, STEP_DTYPES, calibrate, pick_step_
 from orchestrator.trigger import GoodputThreshold
 from specsplit.client import Client
 from specsplit.config import DraftConfig, OrchestratorConfig
+from specsplit.errors import InvalidArgument
 from specsplit.launch import DraftProcess, colocated_threads, default_proposers, make_proposer, start_stack
 from specsplit.runner import ModelRunner
 from tiny import hf_greedy, tiny_loaded
@@ -95,6 +96,8 @@ def test_draft_dtype_is_chosen(target, target_dir):
     if torch.int8 in STEP_DTYPES:  # int8 weights run on this CPU
         (int8,) = default_proposers("half", None, "cpu", "float32", target_model=str(target_dir), draft_dtype="int8")
         assert weight_dtype(int8.model) == torch.int8
+    with pytest.raises(InvalidArgument, match="int8 is for --draft half"):
+        default_proposers("model", str(target_dir), "cpu", "float32", draft_dtype="int8")
     with pytest.raises(ValueError, match="int8"):  # a Hugging Face copy of the model cannot hold int8 weights
         calibrate(target.model, threads=1, step_dtypes=(torch.int8,), lean_forward=False)
     (model,) = default_proposers("model", str(target_dir), "cpu", "float32", draft_dtype="float16")
