@@ -114,7 +114,7 @@ class StackWorker:
 
     def stats(self, method: str) -> tuple:
         """The method's verifier's forwards, rows, all processes' CPU seconds, thinks, summed think ms,
-        padded tokens, forward ms, ticks."""
+        padded tokens, forward ms, ticks, prefill ms (the prompt chunks' share of the forward ms)."""
         self.conn.send(method)
         for _, conn in self.edges:
             conn.send("cpu")
@@ -152,7 +152,7 @@ def _verifier_main(conn, threads: int, cpus: str = "", device: str = "cpu", dtyp
     while (method := conn.recv()) is not None:
         stats = servers[method].core.stats
         conn.send((stats.forwards, stats.rows, sum(os.times()[:2]), stats.thinks, stats.think_ms, stats.tokens,
-                   stats.forward_ms, stats.ticks))
+                   stats.forward_ms, stats.ticks, stats.prefill_ms))
     for server in servers.values():
         server.stop(1.0)
         server.core.close()
@@ -184,7 +184,7 @@ def waves_of(prompts: list, n: int, waves: int) -> list[list]:
 
 def run_specsplit(method: str, stacks: StackWorker, waves: list[list[dict]], max_new: int) -> Result:
     n = len(waves[0])
-    forwards, rows, stack_cpu, thinks, think_ms, _, forward_ms = stacks.stats(method)[:7]
+    forwards, rows, stack_cpu, thinks, think_ms, _, forward_ms, _, prefill_ms = stacks.stats(method)
     requests: queue.SimpleQueue = queue.SimpleQueue()  # wave by wave: request j = w * n + i
     for j, request in enumerate(r for wave in waves for r in wave):
         requests.put((j, request["prompt"]))
@@ -201,8 +201,8 @@ def run_specsplit(method: str, stacks: StackWorker, waves: list[list[dict]], max
     for t in threads:
         t.join()
     wall = time.perf_counter() - begin
-    forwards_after, rows_after, stack_cpu_after, thinks_after, think_ms_after, _, forward_ms_after = \
-        stacks.stats(method)[:7]
+    forwards_after, rows_after, stack_cpu_after, thinks_after, think_ms_after, _, forward_ms_after, _, prefill_ms_after = \
+        stacks.stats(method)
     own = sum(os.times()[:2]) - cpu + stack_cpu_after - stack_cpu
     other = max(0.0, machine_busy_s() - busy - own) / wall
     rows_per_forward = (rows_after - rows) / max(forwards_after - forwards, 1)
@@ -212,6 +212,7 @@ def run_specsplit(method: str, stacks: StackWorker, waves: list[list[dict]], max
                        sum(len(s.token_ids) for s in sessions) / rounds, rows_per_forward)
     result.think_ms = round((think_ms_after - think_ms) / max(thinks_after - thinks, 1), 1)
     result.verifier_busy = round((forward_ms_after - forward_ms) / 1e3 / wall, 2)
+    result.prefill_share = round((prefill_ms_after - prefill_ms) / max(forward_ms_after - forward_ms, 1e-9), 2)
     return result
 
 
@@ -348,8 +349,8 @@ def main(argv=None) -> None:
         results.append(result)
         print(f"n={n} #{repeat} {method}: {result.tokens_per_s:.1f} tok/s, p50 {result.p50_ms:.0f} ms, "
               f"p95 {result.p95_ms:.0f} ms, tree {result.mean_tree:.1f}, rows/fwd "
-              f"{result.rows_per_forward:.1f}, think {result.think_ms:.0f} ms, verifier busy {result.verifier_busy:.0%}, "
-              f"other load {result.other_load:.2f}", file=sys.stderr, flush=True)
+              f"{result.rows_per_forward:.1f}, think {result.think_ms:.0f} ms, verifier busy {result.verifier_busy:.0%} "
+              f"(prefill {result.prefill_share:.0%}), other load {result.other_load:.2f}", file=sys.stderr, flush=True)
     stacks.close()
     conn.send(None)
     worker.join(timeout=30)

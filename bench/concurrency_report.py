@@ -35,6 +35,7 @@ class Result:
     think_ms: float = 0.0  # mean time from the verifier's answer to the session's next Verify (specsplit only)
     repeat: int = 0  # which of the --repeats runs
     verifier_busy: float = 0.0  # fraction of the wall time the verifier spent in forwards (specsplit only)
+    prefill_share: float = 0.0  # of that forward time, the prompt chunks' share (specsplit only)
     token_ids: list[list[int]] = field(default_factory=list)
 
 
@@ -79,9 +80,10 @@ def markdown(results: list[Result], references: list[list[int]], args) -> str:
                 "last column every run's ratios in order." if repeats > 1 else ""), "",
              "| sessions | batched tok/s | one-at-a-time tok/s | HF batched tok/s | batched / one-at-a-time "
              "| batched / HF | batched p50 / p95 | one-at-a-time p50 / p95 | HF p50 / p95 | batched TTFT p50 "
-             "| mean tree (batched / 1-at-a-time) | rows per forward | verifier busy | identical to HF greedy |"
+             "| mean tree (batched / 1-at-a-time) | rows per forward | verifier busy | prefill share (batched / 1-at-a-time) "
+             "| identical to HF greedy |"
              + (" batched / one-at-a-time, batched / HF, each repeat |" if repeats > 1 else ""),
-             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|" + ("---|" if repeats > 1 else "")]
+             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|" + ("---|" if repeats > 1 else "")]
     for n in args.sessions:
         b, o, h = by[("batched", n)], by[("one_at_a_time", n)], by[("hf_batched", n)]
         total = len(b.token_ids)
@@ -92,10 +94,12 @@ def markdown(results: list[Result], references: list[list[int]], args) -> str:
                      f"{b.tokens_per_s / o.tokens_per_s:.2f}x | {b.tokens_per_s / h.tokens_per_s:.2f}x | "
                      f"{b.p50_ms:.0f} / {b.p95_ms:.0f} | {o.p50_ms:.0f} / {o.p95_ms:.0f} | "
                      f"{h.p50_ms:.0f} / {h.p95_ms:.0f} | {b.ttft_p50_ms:.0f} | {b.mean_tree:.1f} / {o.mean_tree:.1f} | "
-                     f"{b.rows_per_forward:.1f} | {b.verifier_busy:.0%} | {same}/{total} |"
+                     f"{b.rows_per_forward:.1f} | {b.verifier_busy:.0%} | {b.prefill_share:.0%} / {o.prefill_share:.0%} | "
+                     f"{same}/{total} |"
                      + (f" {each_repeat(results, n)} |" if repeats > 1 else ""))
     lines += ["", "identical: batched and one-at-a-time tokens both equal to HF generate of that prompt alone. "
-              "(busy): other processes kept more than a quarter core busy during a run (see other_load in the JSON). verifier busy: the batched verifier's forward time / wall time."]
+              "(busy): other processes kept more than a quarter core busy during a run (see other_load in the JSON). verifier busy: the batched verifier's forward time / wall time. prefill share: the prompt "
+              "chunks' part of the verifier's forward time (each row's cost share of its forward)."]
     return "\n".join(lines) + "\n"
 
 

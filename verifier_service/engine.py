@@ -311,6 +311,7 @@ class TargetEngine:
         forward_ms = _ms_since(start)
         self.stats.forward_ms += forward_ms
         shares = cost_shares([len(r) for r in rows], self.config.forward_overhead_tokens, forward_ms)
+        self.stats.prefill_ms += sum(share for share, work in zip(shares, owners) if isinstance(work, PrefillWork))
         moves: list[tuple[int, int, tuple[int, ...]]] = []  # this tick's compactions (slot, keep_from, rows)
         try:
             self._answer_rows(rows, owners, logits, argmax, hidden, shares, continuing, moves)

@@ -92,6 +92,7 @@ class BatchStats:
     max_rows: int = 0  # most rows in one forward
     tokens: int = 0  # tokens through the forwards (packed: no padding)
     forward_ms: float = 0.0  # summed forward wall time
+    prefill_ms: float = 0.0  # the prompt chunks' share of forward_ms (each row's cost share, batching.cost_shares)
     think_ms: float = 0.0  # summed time from answering a session to its next Verify (what batch_wait_ms must cover)
     thinks: int = 0
 

@@ -125,6 +125,12 @@ def test_a_long_prefill_does_not_stall_verification(target):
         assert tokens == hf_greedy(target.model, short, len(tokens))
         assert engine.verify("long", TokenTree.empty(), 300).verdict.next_token_id == hf_greedy(
             target.model, long_prompt, 1)[0]
+        # the prompt chunks' share of the forward time is accounted for apart (the concurrency bench reports it)
+        stats = engine.stats
+        assert 0 < stats.prefill_ms < stats.forward_ms
+        before_prefill, before_forward = stats.prefill_ms, stats.forward_ms
+        engine.prefill("alone", short)  # a tick of one prompt chunk only: all its forward time is prefill
+        assert stats.prefill_ms - before_prefill == pytest.approx(stats.forward_ms - before_forward)
     finally:
         engine.close()
 
