@@ -8,9 +8,10 @@ Greedy decoding with the default target (SmolLM2-135M-Instruct, fp32, CPU). Meth
 
 - ``hf_greedy``: HF ``generate(do_sample=False)`` of the target alone (a child process): the baseline.
 - ``hf_assisted``: HF assisted generation with the distilled draft LM (``assistant_model=``).
-- ``hf_assisted_half``: HF assisted generation with the target itself as ``assistant_model``, in the dtype the
-  half draft measures fastest for a step here (draft_service/dtypes.py).
-- ``half``: the target in float16 as the draft (``--draft half``), in its own draft-service process with
+- ``hf_assisted_half``: HF assisted generation with the target itself as ``assistant_model``, in the float dtype the
+  half draft measures fastest for a step here (draft_service/dtypes.py; an HF model holds no int8 weights).
+- ``half``: the target as the draft (``--draft half``) at the dtype its calibration picks (``--draft-dtype`` names
+  one), in its own draft-service process with
   ``--draft-threads`` threads (as the embedded ``specsplit generate`` runs it, and as an edge box would);
   ``half+ngram``: the same, copying prompt-lookup spans first.
 - ``ngram``, ``eagle``, ``eagle+ngram``, ``medusa``, ``medusa+ngram``, ``draft_lm`` (``--draft model`` with an HF
