@@ -56,10 +56,6 @@ class Int8Weight:
         values = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()  # [N, K]
         return Int8Weight(values, scales.to(torch.bfloat16))
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.int8
-
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x: [Q, K] -> [Q, N] in bfloat16."""
         return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.values, self.scales)
