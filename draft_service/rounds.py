@@ -80,6 +80,19 @@ def growth_policy(config: DraftConfig) -> GrowthPolicy:
     return GrowthPolicy(config.branch_threshold, config.grow_width, config.grow_min_relative, config.grow_max_depth)
 
 
+def chain_below(tree: GrowingTree, leaf: int, start: int) -> list[int]:
+    """Nodes ``start``, ``start + 1``, ... while each is the child of the one before (the first: of ``leaf``), in
+    order: a branch continued past ``leaf`` as consecutive nodes, which keeping those nodes alone leaves intact."""
+    chain: list[int] = []
+    parent = leaf
+    for node in range(start, len(tree)):
+        if leaf < 0 or tree.parents[node] != parent:
+            break
+        chain.append(node)
+        parent = node
+    return chain
+
+
 class GrowthRound:
     """One streamed DraftTree round of a draft model, whatever the model: grow, then draft provisionally.
 
@@ -145,12 +158,13 @@ class GrowthRound:
             yield GrowthStep(len(tree), (), (), (), done=True)
         control.wait()
         num_verified = control.verifying if control.verifying is not None else 0
-        # Seeded nodes past the verified ones continue the verified chain's end (the orchestrator sent a prefix
-        # of the seeds, e.g. a pipelined round): they are this round's first provisional tokens, already drafted.
-        ahead = list(range(num_verified, len(seed))) if 0 < num_verified < len(seed) else []  # [A] node ids
+        leaf = self.leaf = best_leaf(tree, num_verified)
+        # Nodes past the verified ones that continue the best verified branch's leaf as a chain are this round's
+        # first provisional tokens, already drafted: seeds past a verified prefix (a pipelined round), or what
+        # growth made while nobody read it (a first round opened before the verifier's prefill).
+        ahead = chain_below(tree, leaf, num_verified) if num_verified > 0 else []  # [A] node ids
         tree.truncate(num_verified + len(ahead))
         self.forget(num_verified + len(ahead))
-        leaf = self.leaf = best_leaf(tree, num_verified)
         for node in ahead if provisional_max and not control.closed else []:
             leaf = self.leaf = node
             yield GrowthStep(node, (tree.token_ids[node],), (tree.parents[node],), (tree.draft_probs[node],),

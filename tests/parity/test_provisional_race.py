@@ -145,6 +145,37 @@ def test_seeds_past_the_verified_prefix_are_the_first_provisional_tokens(model):
     assert proposer._sessions["s"].path_tokens == greedy[5:10]
 
 
+def test_growth_past_the_verified_nodes_is_the_first_provisional_tokens(model):
+    """A round the orchestrator read late (opened before the verifier's prefill): the draft grew 6 chain nodes, the
+    trigger sent 3 for verification; the 3 grown past them continue the verified leaf, so they come back as the
+    first provisional tokens with no forward, and the KV behind them is right for the next round."""
+    greedy = hf_greedy(model.model, PROMPT, 24)
+    proposer = chain_proposer(model)
+    real_expand = proposer._expand
+    calls = []
+    proposer._expand = lambda *args: calls.append(list(args[-1])) or real_expand(*args)
+    control = GrowthControl()
+    steps = []
+    for step in proposer.grow("s", PROMPT, 6, control, provisional_max=5):
+        steps.append(step)
+        if step.done:
+            control.verify(3)  # the trigger fired at 3 nodes when the orchestrator read the stream
+            grown = len(calls)
+        if len([s for s in steps if s.provisional]) == 5:
+            control.close()
+    provisional = [s for s in steps if s.provisional]
+    assert tokens_of([s for s in steps if not s.provisional]) == greedy[:6]
+    assert [s.first for s in provisional[:3]] == [3, 4, 5] and tokens_of(provisional) == greedy[3:8]
+    assert all(s.draft_ms == 0 for s in provisional[:3])
+    assert len(calls) == grown + 2  # forwards only for the two tokens after the grown chain
+    assert proposer._sessions["s"].path_tokens == greedy[:8]
+    proposer._expand = real_expand
+    committed = PROMPT + greedy[:4]  # 3 accepted + the bonus token
+    steps2 = whole_tree_round(proposer, committed, 4)
+    assert steps2[0].seeded == 4 and steps2[0].token_ids == tuple(greedy[4:8])
+    assert tokens_of([s for s in steps2 if not s.provisional]) == greedy[4:8]
+
+
 def copied_round(proposer, session_id, span, after, provisional_max):
     """A round of 2 verified nodes whose lookup finds ``span`` after the path ``after`` (nothing elsewhere):
     its provisional steps."""
