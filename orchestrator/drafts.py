@@ -12,7 +12,7 @@ import copy
 import logging
 import queue
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
@@ -149,12 +149,11 @@ class DraftMixin:
         return (self.config.trigger != "budget" and session.sampling.greedy and session.draft_usable()
                 and self._drafter_name(session) in STREAMING_DRAFTERS)
 
-    def _tree_round(self, session: LiveSession, remaining: int, verify) -> "TreeRound":
-        """One round: stream the draft's growing tree until the trigger fires, verify it while the draft goes
-        on provisionally from the best branch's leaf, then end the draft's round.
-
-        verify(tree) -> (verdict, timing) is the verifier call (it may fail over; it raises on failure).
-        """
+    def _open_round(self, session: LiveSession, remaining: int, wait_s: float = 0.0) -> "RoundStart":
+        """A streamed round up to the draft's first step: the trigger, last round's kept provisional tokens (verified
+        at once if the trigger says so), a copied span, or the draft's DraftTree stream, opened (the draft grows its
+        tree from then on, whether or not anyone reads it yet). wait_s: how long the round may wait before it is
+        read (the stream's deadline covers it)."""
         if session.trigger is None:
             # A new session starts from what the orchestrator's latest session with this draft measured (its
             # alpha, rates, draft-or-not choice), not from scratch: the first rounds are then already sized.
@@ -184,32 +183,67 @@ class DraftMixin:
             max_nodes = 0  # no draft model this round: a copied span, or the target decodes alone
         else:
             max_nodes = min(self._max_nodes(session.draft), self.config.tree_max_nodes, max(remaining - 1, 0))
-        started = time.perf_counter()
-        tree = GrowingTree()
-        steps = seeded = 0
-        step_ms = 0.0  # draft forward time as the draft measured it (no waiting, no network)
-        stream = None
+        start = RoundStart(span, copied, fresh, max_nodes, time.perf_counter())
+        tree = start.tree
         if copied:
             parent = -1
             for token in span:
                 parent = tree.add(parent, token, LOOKUP_PROB)
         elif max_nodes > 0:
             try:
-                stream = session.draft.draft_tree(session.id, session.unsent, len(session.token_ids), max_nodes,
-                                                  self.config.provisional_max,
-                                                  timeout=self.config.verify_timeout_s + self.config.draft_timeout_s,
-                                                  features=session.features)
-                session.unsent = []
-                session.features = []
-                if ahead:  # last round's kept provisional tokens: verified at once if the trigger says so
-                    parent = -1
-                    for token, prob in ahead[:max_nodes]:
-                        parent = tree.add(parent, token, prob)
-                    if trigger.should_verify(tree.confidence[parent], len(tree)):
-                        seeded = len(tree)  # pipelined: the draft seeds these same tokens and goes on from them
-                        trace.get_current_span().set_attribute("specsplit.pipelined", True)
-                    else:
-                        ahead, tree = [], GrowingTree()  # the draft's stream brings them, and grows on
+                start.stream = session.draft.draft_tree(session.id, session.unsent, len(session.token_ids), max_nodes,
+                                                        self.config.provisional_max,
+                                                        timeout=wait_s + self.config.verify_timeout_s +
+                                                        self.config.draft_timeout_s,
+                                                        features=session.features)
+            except RpcError as err:
+                self._draft_failed(session, err)
+                return start
+            session.unsent = []
+            session.features = []
+            if ahead:  # last round's kept provisional tokens: verified at once if the trigger says so
+                parent = -1
+                for token, prob in ahead[:max_nodes]:
+                    parent = tree.add(parent, token, prob)
+                if trigger.should_verify(tree.confidence[parent], len(tree)):
+                    start.ahead = ahead
+                    start.seeded = len(tree)  # pipelined: the draft seeds these same tokens and goes on from them
+                    trace.get_current_span().set_attribute("specsplit.pipelined", True)
+                else:
+                    start.tree = GrowingTree()  # the draft's stream brings them, and grows on
+        return start
+
+    def _open_first_round(self, session: LiveSession) -> None:
+        """Open a new session's first streamed round before the verifier's prefill: the draft (its own prefill started
+        with the session) grows the first tree while the verifier caches the prompt, instead of after it."""
+        if self._streams_trees(session):
+            session.opened = self._open_round(session, session.state.max_new_tokens, wait_s=self.config.prefill_timeout_s)
+
+    @staticmethod
+    def _drop_opened(session: LiveSession) -> None:
+        """A round opened early that will not run (the prefill failed, the session ended): end the draft's round."""
+        opened, session.opened = session.opened, None
+        if opened is not None and opened.stream is not None:
+            opened.stream.close()
+
+    def _tree_round(self, session: LiveSession, remaining: int, verify) -> "TreeRound":
+        """One round: stream the draft's growing tree until the trigger fires, verify it while the draft goes
+        on provisionally from the best branch's leaf, then end the draft's round.
+
+        verify(tree) -> (verdict, timing) is the verifier call (it may fail over; it raises on failure).
+        """
+        start, session.opened = session.opened, None
+        if start is None:
+            start = self._open_round(session, remaining)
+        else:
+            start.started = time.perf_counter()  # opened before the prefill: the round starts now
+        trigger, tree, stream, ahead = session.trigger, start.tree, start.stream, start.ahead
+        started, seeded, fresh, span, copied, max_nodes = (start.started, start.seeded, start.fresh, start.span,
+                                                           start.copied, start.max_nodes)
+        steps = 0
+        step_ms = 0.0  # draft forward time as the draft measured it (no waiting, no network)
+        if stream is not None:
+            try:
                 # The first step may wait for the previous round's last forward and catch up on many tokens.
                 timeout = self.config.draft_timeout_s * 5
                 while not ahead:
@@ -227,8 +261,7 @@ class DraftMixin:
                             trigger.should_verify(tree_confidence(tree.confidence, live), len(tree), fresh=fresh):
                         break
             except (RpcError, queue.Empty) as err:
-                if stream is not None:
-                    stream.close()
+                stream.close()
                 stream = None
                 tree = GrowingTree()
                 self._draft_failed(session, err if isinstance(err, RpcError) else "DEADLINE_EXCEEDED")
@@ -323,6 +356,21 @@ def _is_refusal(err) -> bool:
     import grpc
 
     return hasattr(err, "code") and err.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
+
+
+@dataclass
+class RoundStart:
+    """A streamed round as ``_open_round`` left it, before the draft's steps are read."""
+
+    span: list[int]  # [S] what prompt lookup copies (the tree, when ``copied``)
+    copied: bool  # the tree is that span, no draft involved
+    fresh: bool  # no kept provisional tokens to start from
+    max_nodes: int  # the draft's node budget this round (0: no draft model)
+    started: float  # perf_counter() at the round's start
+    tree: GrowingTree = field(default_factory=GrowingTree)  # the copied span, or the kept tokens verified at once
+    ahead: list[tuple[int, float]] = field(default_factory=list)  # those kept tokens (token, draft prob), if so
+    seeded: int = 0  # tree nodes seeded by them
+    stream: object | None = None  # the draft's TreeStream (None: no draft call this round)
 
 
 @dataclass(frozen=True)

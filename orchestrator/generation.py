@@ -145,12 +145,14 @@ class Orchestrator(DraftMixin):
         session.save_controller()
         self.store.create(state)  # a taken session id is refused here
         try:
-            if draft is not None:  # first: a model draft prefills the prompt while the verifier does
+            if draft is not None:  # first: a model draft prefills the prompt and grows its first tree meanwhile
                 self._start_draft(session)
+                self._open_first_round(session)
             with tracer.start_as_current_span("specsplit.orchestrator.prefill"):
                 self.placement.restore(session, fresh=True)
             self._commit(session)  # the store now names the replica holding the cache
         except BaseException:
+            self._drop_opened(session)
             self._end_draft(session)
             self.placement.release(session)
             self.store.delete(state.session_id)
@@ -184,6 +186,7 @@ class Orchestrator(DraftMixin):
     def _settle(self, session: LiveSession) -> None:
         """After the stream: free a finished or cancelled session everywhere; detach a resumable one."""
         state = session.state
+        self._drop_opened(session)  # (a session that ended before its first round)
         if not session.owned or session.lost:
             self.placement.forget(session)
             return  # nothing of ours to free (a replay, or another request owns the session now)

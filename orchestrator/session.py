@@ -43,6 +43,7 @@ class LiveSession:
     lookup: SpanLookup | None = None  # prompt lookup for rounds without the draft model (a draft that copies spans)
     since_copy: int = 1 << 30  # rounds since the last one that verified a copied span
     copy_hits: float = 1.0  # decayed share of looked-up span tokens that were right (specsplit.lookup.span_hits)
+    opened: object | None = None  # a new session's first round, opened before the verifier's prefill (drafts.RoundStart)
 
     @property
     def id(self) -> str:

@@ -90,3 +90,41 @@ def test_pipelined_verification(target, trigger, pipeline):
         assert at_once == 0
     elif trigger == "fixed":
         assert at_once > 0
+
+
+def test_the_draft_grows_the_first_tree_while_the_verifier_prefills(target):
+    """A new session's first streamed round opens before the verifier's Prefill: with the verifier 200 ms away (the
+    benchmark's delaying TCP relay), the draft's first DraftTree round begins while that Prefill is still on its way,
+    and the session's tokens are still the target's own."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
+    from relay import DelayRelay
+
+    from specsplit.launch import start_draft, start_orchestrator, start_verifier
+
+    exporter = span_exporter()
+    config = OrchestratorConfig(trigger="fixed", fixed_tree_nodes=4, provisional_max=8, share_estimates=False)
+    verifier = start_verifier(target)
+    draft = start_draft(ModelProposer(tiny_loaded(seed=0, layers=2), DraftConfig(grow_width=1)))
+    try:
+        with DelayRelay("127.0.0.1:0", verifier.address, rtt_ms=200) as relay:
+            orchestrator = start_orchestrator(relay.address, [draft.address], target.tokenizer, config=config)
+            try:
+                chunks = list(Client(orchestrator.address).generate(prompt_token_ids=PROMPTS[0], max_new_tokens=24))
+            finally:
+                orchestrator.stop(0)
+    finally:
+        draft.stop(0)
+        verifier.stop(0)
+    spans = exporter.get_finished_spans()
+    exporter.shutdown()
+    assert [t for c in chunks for t in c.token_ids] == hf_greedy(target.model, PROMPTS[0], 24)
+    prefill = [s for s in spans if s.name == "specsplit.orchestrator.prefill"]
+    grows = sorted((s for s in spans if s.name == "specsplit.draft.grow"), key=lambda s: s.start_time)
+    assert len(prefill) == 1 and grows
+    assert prefill[0].end_time - prefill[0].start_time >= 200e6  # ns: the Prefill paid the round trip
+    assert grows[0].start_time < prefill[0].end_time - 100e6  # the first tree grew while the Prefill travelled
+    first = next(c.stats for c in chunks if c.stats is not None)
+    assert first.num_draft_tokens == 4  # and it was the round's tree: the trigger read it when the verifier was ready
