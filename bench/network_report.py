@@ -35,13 +35,14 @@ def report(data: dict, out: pathlib.Path) -> str:
     for rtt in rtts:
         at = [r for r in rows if r["rtt_ms"] == rtt]
         lines += [f"## RTT {rtt} ms ({at[0].get('network', data.get('network', ''))})", "",
-                  "| config | provisional | tokens/s | tau | verifications / 100 tok | wasted draft tokens | provisional kept "
-                  "| burst tokens | identical to HF |",
-                  "|---|---|--:|--:|--:|--:|--:|--:|---|"]
+                  "| config | provisional | tokens/s | first tokens ms | tokens/s after them | tau | verifications / 100 tok "
+                  "| wasted draft tokens | provisional kept | burst tokens | identical to HF |",
+                  "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
         for r in at:
             base, prov, burst = parse_config(r["config"])
             label = base + (f" @b{burst}" if burst else "")
-            lines.append(f"| {label} | {PROVISIONAL.get(prov, prov)} | {r['tokens_per_s']:.2f} | "
+            first = f"{r['first_token_ms']:.0f} | {r['decode_tokens_per_s']:.2f}" if "first_token_ms" in r else "- | -"
+            lines.append(f"| {label} | {PROVISIONAL.get(prov, prov)} | {r['tokens_per_s']:.2f} | {first} | "
                          f"{r['tau']:.2f} | {r['verifications_per_100']:.1f} | {r['wasted']} | {r['provisional_kept']} | "
                          f"{r.get('decoded', 0)} | {'yes' if r['identical'] else 'NO'} |")
         lines.append("")
@@ -58,8 +59,10 @@ def report(data: dict, out: pathlib.Path) -> str:
             for kind in ("seed", "prov"):
                 on = next((r for r in at if r["config"] == f"{base}+{kind}"), None)
                 if off and on:
+                    after = (f" ({on['decode_tokens_per_s'] / off['decode_tokens_per_s']:.2f}x after the first tokens)"
+                             if on.get("decode_tokens_per_s") and off.get("decode_tokens_per_s") else "")
                     lines.append(f"- provisional generation ({PROVISIONAL[kind]}), {base}: "
-                                 f"{on['tokens_per_s'] / off['tokens_per_s']:.2f}x tokens/s of none")
+                                 f"{on['tokens_per_s'] / off['tokens_per_s']:.2f}x tokens/s of none{after}")
         for r in at:
             single = next((x for x in at if x["config"] == r["config"] + "@b1"), None)
             if single:
