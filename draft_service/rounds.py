@@ -83,10 +83,12 @@ def growth_policy(config: DraftConfig) -> GrowthPolicy:
 def chain_below(tree: GrowingTree, leaf: int, start: int) -> list[int]:
     """Nodes ``start``, ``start + 1``, ... while each is the child of the one before (the first: of ``leaf``), in
     order: a branch continued past ``leaf`` as consecutive nodes, which keeping those nodes alone leaves intact."""
+    if leaf < 0:
+        return []
     chain: list[int] = []
     parent = leaf
     for node in range(start, len(tree)):
-        if leaf < 0 or tree.parents[node] != parent:
+        if tree.parents[node] != parent:
             break
         chain.append(node)
         parent = node
