@@ -27,7 +27,9 @@ its own (--warmup-tokens; 0 measures cold starts, the adaptive triggers' learnin
     request, as before bursts) instead of the orchestrator's default (OrchestratorConfig.burst_max).
 
 Results merge into <out>/network.json (one entry per RTT, so RTTs can be run one at a time) and
-<out>/network.md and <out>/network.png (tokens/s against RTT) are rewritten from all of it.
+<out>/network.md and <out>/network.png (tokens/s against RTT) are rewritten from all of it. Each
+configuration's row: tokens/s, the mean time to the first tokens, tokens/s after them, tau, verifications
+per 100 tokens, wasted draft tokens, kept provisional tokens, tokens decoded in target-only bursts.
 
     sudo python bench/network.py --rtts 0,20,50,100                   # everything (long on a CPU)
     python bench/network.py --rtts 50 --max-new-tokens 48 --prompts chat_guitar,sum_bees
