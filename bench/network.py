@@ -276,11 +276,12 @@ def summarize(rtt: int, name: str, runs: list[dict]) -> dict:
     tokens = sum(r["tokens"] for r in runs)
     seconds = sum(r["seconds"] for r in runs)
     rounds = sum(r["rounds"] for r in runs)
-    after = seconds - sum(r["first_token_ms"] for r in runs) / 1e3  # generation time after each run's first tokens
+    first_ms = sum(r["first_token_ms"] for r in runs)
+    after = seconds - first_ms / 1e3  # generation time after each run's first tokens
     return {
         "rtt_ms": rtt, "config": name, "tokens": tokens, "seconds": seconds,
         "tokens_per_s": tokens / seconds if seconds else 0.0,
-        "first_token_ms": sum(r["first_token_ms"] for r in runs) / len(runs) if runs else 0.0,  # mean over the prompts
+        "first_token_ms": first_ms / len(runs) if runs else 0.0,  # mean over the prompts
         # tokens/s after the first tokens: the decoding that triggers and provisional generation change, without the
         # prefill and first round every configuration pays alike
         "decode_tokens_per_s": (tokens - sum(r["first_tokens"] for r in runs)) / after if after > 0 else 0.0,
