@@ -1,10 +1,11 @@
 """The half draft's candidate precisions on this machine: one draft step's time and greedy agreement with the target.
 
-    python bench/draft_dtypes.py [--dtypes float32,float16,bfloat16,int8] [--threads 1] [--tokens 64]
+    python bench/draft_dtypes.py [--dtypes float32,float16,bfloat16,int8,int4] [--threads 1] [--tokens 64]
 
-Each dtype is a lean draft copy of SmolLM2 (``draft_service.lean.LeanLlama``; int8 = ``Int8Weight``, CPU only).
+Each dtype is a lean draft copy of SmolLM2 (``draft_service.lean.LeanLlama``; int8 and int4 weights:
+``draft_service/quantized.py``, CPU only).
 Step: one token on a 200-token cache, the median of --repeats, the dtypes taking turns. Agreement: the float32
-target's greedy answer (--tokens tokens) to every other prompt of bench/prompts.jsonl, then each copy teacher-forced
+target's greedy answer (--tokens tokens) to every --every-th prompt of bench/prompts.jsonl, then each copy teacher-forced
 over prompt + answer in one forward: the share of answer positions where its argmax is the target's token (what a
 draft chain needs to be accepted). The draft never changes the output; this is the chance it is right.
 """
@@ -23,8 +24,10 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 
 from draft_service import lean  # noqa: E402
+from draft_service.dtypes import parse_draft_dtype  # noqa: E402
+from draft_service.quantized import int4_available, int8_available  # noqa: E402
 from specsplit import kvcache  # noqa: E402
-from specsplit.models import DTYPES, load_model  # noqa: E402
+from specsplit.models import load_model  # noqa: E402
 
 
 def step_ms(drafts: dict, repeats: int) -> dict:
@@ -64,24 +67,26 @@ def agreement(loaded, drafts: dict, prompts: list[dict], tokens: int) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--dtypes", default="float32,float16,bfloat16,int8", help="the copies to compare")
+    parser.add_argument("--dtypes", default="float32,float16,bfloat16,int8,int4", help="the copies to compare")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (a draft's own)")
     parser.add_argument("--repeats", type=int, default=15, help="timed steps per dtype")
     parser.add_argument("--tokens", type=int, default=64, help="answer tokens per prompt for agreement")
     parser.add_argument("--prompts", type=pathlib.Path, default=HERE / "prompts.jsonl")
+    parser.add_argument("--every", type=int, default=2, help="agreement over every N-th prompt (1: all of them)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtypes = {}
+    available = {"int8": int8_available(), "int4": int4_available()}
     for name in args.dtypes.split(","):
-        if name == "int8" and not lean.int8_available():
-            print(f"int8: skipped (no weight-only int8 matmul in torch {torch.__version__})")
+        if not available.get(name, True):
+            print(f"{name}: skipped (no {name} matmul in torch {torch.__version__})")
             continue
-        dtypes[name] = torch.int8 if name == "int8" else DTYPES[name]
+        (dtypes[name],) = parse_draft_dtype(name)
     loaded = load_model(None, "cpu", "float32")
     with torch.inference_mode():
         drafts = {name: lean.LeanLlama(loaded.model, dtype) for name, dtype in dtypes.items()}
         steps = step_ms(drafts, args.repeats)
-        prompts = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()][::2]
+        prompts = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()][::args.every]
         agree = agreement(loaded, drafts, prompts, args.tokens)
     print(f"{len(prompts)} prompts x {args.tokens} tokens, {args.threads} thread(s), torch {torch.__version__}")
     for name in drafts:

@@ -8,11 +8,12 @@ float32 174 ms, float16 108 ms, bfloat16 94 ms; a 165-token prompt float32 1.0 s
 5.4 s. So the half draft times each candidate once at start and keeps the fastest for each kind of forward.
 Whatever it picks, the output is unchanged: the target verifies in its own dtype.
 
-A CPU with PyTorch's weight-only int8 matmul also times int8 weights for steps (``lean.Int8Weight``), kept only
-when clearly the fastest (``pick_step_dtype``): on a Sapphire Rapids CPU (``bench/draft_dtypes.py``, 1 thread,
-SmolLM2, a step on a 200-token cache) float32 51 ms, float16 54, bfloat16 50, int8 33 ms, with greedy agreement
-with the float32 target of 99.8% (float16), 98.4% (bfloat16) and 97.7% (int8): two or three more rejected tokens a
-hundred, for a third off every step.
+A CPU with PyTorch's int8 and int4 matmuls also times int8 and int4 weights for steps
+(``draft_service/quantized.py``), each kept only when clearly the fastest (``pick_step_dtype``): on a Sapphire
+Rapids CPU (``bench/draft_dtypes.py``, 1 thread, SmolLM2, a step on a 200-token cache) float32 51 ms, float16 54,
+bfloat16 50, int8 33 ms, with greedy agreement with the float32 target of 99.8% (float16), 98.4% (bfloat16) and
+97.7% (int8): two or three more rejected tokens a hundred, for a third off every step. On an AVX-512 EPYC float16
+23.1 ms / 99.93%, int8 26.5 ms / 97.61%, int4 (groups of 32, the head rescored exactly) 15.8 ms / 99.47%.
 
 On a CPU, a Llama-architecture target's copies run the lean forward (draft_service/lean.py): weights in the
 candidate dtype, activations and one shared KV cache in float32, so the step and many-token copies never
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from draft_service import lean
+from draft_service.quantized import INT4, int4_available, int4_fits, int8_available
 from specsplit import kvcache
 from specsplit.models import resolve_dtype
 from specsplit.runner import ModelRunner
@@ -39,9 +41,14 @@ from specsplit.runner import ModelRunner
 log = logging.getLogger(__name__)
 
 STEP_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # one-token steps: the cheapest wins
-if lean.int8_available():
+if int8_available():
     STEP_DTYPES += (torch.int8,)  # int8 weights (lean forwards only)
-INT8_MIN_SPEEDUP = 1.25  # int8 steps are kept only this much faster than the fastest other dtype (pick_step_dtype)
+if int4_available():
+    STEP_DTYPES += (INT4,)  # int4 weights (lean forwards only, rows in groups of 32)
+QUANTIZED = (torch.int8, INT4)
+# a quantized step dtype is kept only this much faster than the fastest float dtype (pick_step_dtype): its draft
+# tokens agree with the target's less often (int8 97.6-97.7%, int4 99.5%, float16 99.8-99.9%)
+MIN_SPEEDUP = {torch.int8: 1.25, INT4: 1.1}
 MANY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # prompts and copied spans
 MANY_TOKENS = 16  # a timed many-token forward (a copied span's length); timed steps run on a cache this long
 
@@ -55,14 +62,19 @@ class Calibration:
 
     def describe(self) -> str:
         def fmt(times: dict) -> str:
-            return ", ".join(f"{str(d).removeprefix('torch.')} {ms:.1f} ms" for d, ms in times.items())
+            return ", ".join(f"{dtype_name(d)} {ms:.1f} ms" for d, ms in times.items())
 
-        return (f"steps in {str(self.step_dtype).removeprefix('torch.')} ({fmt(self.step_ms) or 'as asked'}); "
-                f"{MANY_TOKENS}-token forwards in {str(self.many_dtype).removeprefix('torch.')} ({fmt(self.many_ms)})")
+        return (f"steps in {dtype_name(self.step_dtype)} ({fmt(self.step_ms) or 'as asked'}); "
+                f"{MANY_TOKENS}-token forwards in {dtype_name(self.many_dtype)} ({fmt(self.many_ms)})")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """float16, bfloat16, float32, int8 or int4 (--draft-dtype's names)."""
+    return "int4" if dtype == INT4 else str(dtype).removeprefix("torch.")
 
 
 def calibrate(model, threads: int = 0, step_dtypes=STEP_DTYPES, many_dtypes=MANY_DTYPES,
-              repeats: int = 3, lean_forward: bool = True) -> tuple[dict, Calibration]:
+              repeats: int = 5, lean_forward: bool = True) -> tuple[dict, Calibration]:
     """Copies of ``model`` in each candidate dtype, timed on this machine with ``threads`` torch threads (the
     draft's own). Returns ({dtype: model} holding the chosen ones only, the calibration). A single step
     candidate is taken as given (not timed). On a GPU nothing is timed: float16 (or the one given) for both.
@@ -71,13 +83,17 @@ def calibrate(model, threads: int = 0, step_dtypes=STEP_DTYPES, many_dtypes=MANY
     if model.device.type != "cpu":
         dtype = step_dtypes[0] if len(step_dtypes) == 1 else torch.float16
         return {dtype: model if model.dtype == dtype else copy.deepcopy(model).to(dtype)}, Calibration(dtype, dtype, {}, {})
-    if lean_forward and lean.supports(model):
+    lean_here = lean_forward and lean.supports(model)
+    unfit = () if lean_here else QUANTIZED
+    unfit += (INT4,) if lean_here and not int4_fits(model) else ()
+    if any(d in unfit for d in step_dtypes):
+        if all(d in unfit for d in step_dtypes):
+            raise ValueError(f"{dtype_name(step_dtypes[0])} draft weights need the lean forward (a Llama-architecture "
+                             f"model on a CPU{', rows in groups of 32' if lean_here else ''})")
+        step_dtypes = tuple(d for d in step_dtypes if d not in unfit)
+    if lean_here:
         models = {dtype: lean.LeanLlama(model, dtype) for dtype in dict.fromkeys((*step_dtypes, *many_dtypes))}
     else:
-        if torch.int8 in step_dtypes:
-            if len(step_dtypes) == 1:
-                raise ValueError("int8 draft weights need the lean forward (a Llama-architecture model on a CPU)")
-            step_dtypes = tuple(d for d in step_dtypes if d != torch.int8)
         models = {dtype: model if model.dtype == dtype else copy.deepcopy(model).to(dtype)
                   for dtype in dict.fromkeys((*step_dtypes, *many_dtypes))}
     timed = list(dict.fromkeys((*step_dtypes, *many_dtypes))) if len(step_dtypes) + len(many_dtypes) > 2 else []
@@ -96,25 +112,25 @@ def calibrate(model, threads: int = 0, step_dtypes=STEP_DTYPES, many_dtypes=MANY
 
 
 def pick_step_dtype(step_ms: dict) -> torch.dtype:
-    """The step dtype to keep from the timed ones ({dtype: ms}): the fastest, except that int8 weights, whose greedy
-    tokens agree with the target's less often (97.7% against float16's 99.8% on the Sapphire Rapids CPU), must beat
-    the fastest other dtype by INT8_MIN_SPEEDUP: a draft chain of 8 tokens is accepted whole ~16% less often."""
-    fastest = min(step_ms, key=step_ms.get)
-    others = {d: ms for d, ms in step_ms.items() if d != torch.int8}
-    if fastest == torch.int8 and others:
-        best_other = min(others, key=others.get)
-        if step_ms[torch.int8] * INT8_MIN_SPEEDUP > others[best_other]:
-            return best_other
-    return fastest
+    """The step dtype to keep from the timed ones ({dtype: ms}): the fastest float dtype, unless a quantized one
+    beats it by its MIN_SPEEDUP (the fastest such). Quantized draft tokens agree with the target's less often: with
+    int8 (97.7% against float16's 99.8% on the Sapphire Rapids CPU) a draft chain of 8 tokens is accepted whole ~16%
+    less often, with int4 (99.5%) ~3% less often."""
+    floats = {d: ms for d, ms in step_ms.items() if d not in QUANTIZED}
+    if not floats:
+        return min(step_ms, key=step_ms.get)
+    best = min(floats, key=floats.get)
+    worth = {d: ms for d, ms in step_ms.items() if d in QUANTIZED and ms * MIN_SPEEDUP[d] <= floats[best]}
+    return min(worth, key=worth.get) if worth else best
 
 
 def parse_draft_dtype(name: str | None) -> tuple[torch.dtype, ...]:
     """--draft-dtype for the half draft: the step dtypes to time (auto/empty: all of STEP_DTYPES) or the one
-    named (a float dtype, or int8)."""
+    named (a float dtype, int8 or int4)."""
     if name in (None, "", "auto"):
         return STEP_DTYPES
-    if name == "int8":
-        return (torch.int8,)
+    if name in ("int8", "int4"):
+        return ({"int8": torch.int8, "int4": INT4}[name],)
     return (resolve_dtype(name),)
 
 

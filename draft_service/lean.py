@@ -12,8 +12,8 @@ same math with less around it:
 - attention of a few queries as two small matmuls over grouped heads, in float32; longer forwards (a prompt)
   through ``scaled_dot_product_attention``.
 
-Weights may be kept in a 16-bit dtype (the matmuls then run in it) or as int8 (``Int8Weight``: one scale per
-output row, the matmul fed bfloat16 activations) while activations, attention and the cache stay float32, so
+Weights may be kept in a 16-bit dtype (the matmuls then run in it), as int8 or as int4 (``draft_service/quantized.py``:
+the matmuls fed bfloat16 activations) while activations, attention and the cache stay float32, so
 a step model and a many-token model of other weight dtypes share one cache with no casts. It is a draft: its
 tokens are proposals the float32 target verifies exactly, so it changes the chance a draft token is accepted
 (measured by the benches), never the output.
@@ -26,45 +26,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from draft_service.quantized import INT4, Int4Weight, Int8Weight, RescoredHead, int4_available, int4_fits, int8_available
 from specsplit.kvcache import LeanCache
 from specsplit.llama import rms_norm, rotate_half, supports
 
 FEW_QUERIES = 16  # forwards of at most this many tokens attend with plain matmuls; longer ones through SDPA
 
 
-def int8_available(device: torch.device | str = "cpu") -> bool:
-    """Whether int8 weights (``Int8Weight``) run here: PyTorch's weight-only int8 matmul, on a CPU."""
-    return torch.device(device).type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
-
-
-@dataclass(frozen=True)
-class Int8Weight:
-    """A linear's weight as int8 with one scale per output row (symmetric): weight ~ values * scales[:, None].
-
-    A one-token draft step is paced by reading the weights: a quarter of float32's bytes. ``python
-    bench/draft_dtypes.py`` on a Sapphire Rapids CPU (1 thread, SmolLM2, a step on a 200-token cache): float32
-    51 ms, float16 54, bfloat16 50, int8 33 ms; greedy agreement with the float32 target (teacher-forced, 8
-    prompts x 64 tokens) float16 99.8%, bfloat16 98.4%, int8 97.7%."""
-
-    values: torch.Tensor  # [N, K] int8
-    scales: torch.Tensor  # [N] bfloat16
-
-    @staticmethod
-    def of(weight: torch.Tensor) -> "Int8Weight":
-        weight = weight.float()  # [N, K]
-        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [N]
-        values = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()  # [N, K]
-        return Int8Weight(values, scales.to(torch.bfloat16))
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [Q, K] -> [Q, N] in bfloat16."""
-        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.values, self.scales)
-
-
 @dataclass
 class _Layer:
     input_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H] q, k and v projections stacked (each weight here may be an Int8Weight)
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H] q, k and v projections stacked (each weight here may be quantized)
     o: torch.Tensor  # [H, Hq D]
     post_norm: torch.Tensor  # [H]
     gate_up: torch.Tensor  # [2 I, H] gate and up projections stacked
@@ -81,12 +53,16 @@ class LeanLlama:
     ``attention_mask``, ``cache``, ``logits_to_keep``); ``new_cache()`` makes the cache it writes."""
 
     def __init__(self, model, weight_dtype: torch.dtype | None = None, compute_dtype: torch.dtype | None = None):
-        """weight_dtype: the weights' dtype (torch.int8: ``Int8Weight``, CPU only); default the model's."""
+        """weight_dtype: the weights' dtype (torch.int8: ``Int8Weight``; ``quantized.INT4``: ``Int4Weight`` with a
+        ``RescoredHead``; both CPU only); default the model's."""
         if not supports(model):
             raise ValueError(f"the lean forward supports Llama-architecture models, not {type(model).__name__}")
         if weight_dtype == torch.int8 and not int8_available(model.device):
             raise ValueError(f"int8 draft weights run on a CPU with PyTorch's weight-only int8 matmul, not on "
                              f"{model.device} with torch {torch.__version__}; use float16 or bfloat16")
+        if weight_dtype == INT4 and not (int4_available(model.device) and int4_fits(model)):
+            raise ValueError(f"int4 draft weights run on a CPU with PyTorch's int4 matmul and rows in groups of 32, "
+                             f"not {model.device} with torch {torch.__version__} and this model; use float16 or bfloat16")
         config = model.config
         self.config = config
         self.device = model.device
@@ -99,10 +75,12 @@ class LeanLlama:
         self.eps = config.rms_norm_eps
         self._rotary = model.model.rotary_emb
 
-        def weight(*linears) -> torch.Tensor | Int8Weight:
+        def weight(*linears) -> torch.Tensor | Int8Weight | Int4Weight:
             stacked = torch.cat([lin.weight.detach() for lin in linears])  # [N, K]
             if self.weight_dtype == torch.int8:
                 return Int8Weight.of(stacked)
+            if self.weight_dtype == INT4:
+                return Int4Weight.of(stacked)
             return stacked.to(self.weight_dtype).contiguous()
 
         def norm(module) -> torch.Tensor:
@@ -118,6 +96,10 @@ class LeanLlama:
         ]
         self.norm = norm(model.model.norm)  # [H]
         self.head = weight(model.lm_head)  # [V, H]
+        if self.weight_dtype == INT4:  # the int4 head only ranks; its best ids are scored against float32 rows
+            head = model.lm_head.weight.detach()  # [V, H]
+            tied = head.data_ptr() == model.model.embed_tokens.weight.data_ptr() and self.dtype == torch.float32
+            self.head = RescoredHead(self.head, self.embed if tied else head.float().contiguous())
 
     def new_cache(self) -> LeanCache:
         return LeanCache(len(self.layers), self.num_kv_heads, self.head_dim, self.dtype, self.device)
@@ -194,9 +176,10 @@ class LeanLlama:
         out = out.view(self.num_kv_heads, group, num_new, self.head_dim).permute(2, 0, 1, 3)  # [Q, Hkv, G, D]
         return out.reshape(num_new, -1)  # [Q, Hq D]
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor | Int8Weight) -> torch.Tensor:
-        """x: [Q, K] in the compute dtype, weight: [N, K] -> [Q, N] in the compute dtype."""
-        if isinstance(weight, Int8Weight):
+    def _linear(self, x: torch.Tensor, weight) -> torch.Tensor:
+        """x: [Q, K] in the compute dtype, weight: [N, K] (a tensor or a quantized weight) -> [Q, N] in the compute
+        dtype."""
+        if not isinstance(weight, torch.Tensor):  # Int8Weight, Int4Weight, RescoredHead
             return weight.matmul(x).to(self.dtype)
         if weight.dtype == x.dtype:
             return F.linear(x, weight)

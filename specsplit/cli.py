@@ -185,8 +185,10 @@ def _draft_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model drafts (draft service, or the embedded stack; --draft model, half or eagle)")
     group.add_argument("--draft-dtype", default=_env("SPECSPLIT_DRAFT_DTYPE"),
                        help="the draft model's dtype (--draft model or half): default for half: whichever of float16, "
-                            "bfloat16, float32 and (on a CPU) int8 weights runs a draft step fastest on this machine, "
-                            "timed at start (int8: one scale per weight row, ~2%% fewer tokens agreeing; prompts "
+                            "bfloat16, float32 and (on a CPU) int8 and int4 weights runs a draft step fastest on this "
+                            "machine, timed at start (int8: one scale per weight row, ~2%% fewer tokens agreeing; int4: "
+                            "groups of 32, the head's best ids scored exactly, ~0.5%% fewer; quantized ones must be "
+                            "clearly faster to be kept; prompts "
                             "and copied spans likewise go through the fastest dtype for many-token forwards; -v logs "
                             "the timings); for model: --dtype. Any dtype keeps the output exact: the target verifies "
                             "in --dtype")

@@ -62,7 +62,7 @@ def make_proposer(kind: str, draft_model: str | None = None, device: str | None 
         config = config or DraftConfig()
         try:
             models, calibration = calibrate(loaded.model, config.threads, step_dtypes=parse_draft_dtype(draft_dtype))
-        except ValueError as err:  # int8 where it cannot run
+        except ValueError as err:  # int8 or int4 where it cannot run
             raise InvalidArgument(f"--draft-dtype {draft_dtype}: {err}") from None
         loaded = dataclasses.replace(loaded, model=models[calibration.step_dtype])
         prefill = models[calibration.many_dtype] if calibration.many_dtype != calibration.step_dtype else None
@@ -70,9 +70,9 @@ def make_proposer(kind: str, draft_model: str | None = None, device: str | None 
         proposer.calibration = calibration
         return proposer
     if kind == "model":
-        if draft_dtype == "int8":
-            raise InvalidArgument("--draft-dtype int8 is for --draft half (its lean forward); a --draft model runs in "
-                                  "float16, bfloat16 or float32")
+        if draft_dtype in ("int8", "int4"):
+            raise InvalidArgument(f"--draft-dtype {draft_dtype} is for --draft half (its lean forward); a --draft model "
+                                  "runs in float16, bfloat16 or float32")
         if loaded is None:
             if not draft_model:
                 raise InvalidArgument("--draft model needs --draft-model PATH (a local Hugging Face causal LM)")

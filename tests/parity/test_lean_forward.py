@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draft_service import lean
+from draft_service import lean, quantized
 from specsplit import kvcache
 from tiny import tiny_llama
 
@@ -87,12 +87,14 @@ def test_lean_cache_grows_past_its_capacity(model):
     torch.testing.assert_close(last, hf_logits(model, ids)[-1], atol=1e-4, rtol=1e-4)
 
 
-INT8 = pytest.param(torch.int8, marks=pytest.mark.skipif(not lean.int8_available(),
+INT8 = pytest.param(torch.int8, marks=pytest.mark.skipif(not quantized.int8_available(),
                                                         reason="no weight-only int8 matmul in this torch"))
+INT4 = pytest.param(quantized.INT4, marks=pytest.mark.skipif(not quantized.int4_available(),
+                                                            reason="no CPU int4 matmul in this torch"))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, INT8])
-def test_lean_in_16_bit_or_int8_weights_mostly_agrees(model, dtype):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, INT8, INT4])
+def test_lean_in_16_bit_or_quantized_weights_mostly_agrees(model, dtype):
     draft = lean.LeanLlama(model, dtype)
     assert draft.weight_dtype == dtype and draft.dtype == torch.float32  # float32 activations and cache
     ids = torch.randint(0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(2))
@@ -103,17 +105,56 @@ def test_lean_in_16_bit_or_int8_weights_mostly_agrees(model, dtype):
 def test_int8_weights_round_to_within_half_a_step_per_row():
     weight = torch.randn(48, 32, generator=torch.Generator().manual_seed(4))  # [N, K]
     weight[3] = 0.0  # an all-zero row stays zero (no division by a zero scale)
-    int8 = lean.Int8Weight.of(weight)
+    int8 = quantized.Int8Weight.of(weight)
     assert int8.values.dtype == torch.int8 and int8.values.shape == (48, 32) and int8.scales.shape == (48,)
     scales = int8.values.abs().amax(dim=1)  # [N] the largest entry of each row maps to +-127
     assert scales[3] == 0 and bool((scales[torch.arange(48) != 3] == 127).all())
     exact_scales = weight.abs().amax(dim=1) / 127.0  # [N] before rounding to bfloat16
     assert float((int8.values.float() * exact_scales[:, None] - weight).abs().max()) <= float(exact_scales.max()) / 2 + 1e-6
-    if lean.int8_available():
+    if quantized.int8_available():
         x = torch.randn(5, 32, generator=torch.Generator().manual_seed(5))  # [Q, K]
         exact = x @ weight.T  # [Q, N]
         error = (int8.matmul(x).float() - exact).norm() / exact.norm()  # bfloat16 activations and scales, int8 weights
         assert float(error) < 0.02
+
+
+NO_INT4 = pytest.mark.skipif(not quantized.int4_available(), reason="no CPU int4 matmul in this torch")
+
+
+@NO_INT4
+def test_int4_groups_hold_sixteen_levels_between_their_min_and_max():
+    generator = torch.Generator().manual_seed(6)
+    groups = quantized.INT4_GROUP
+    # every group of 32 along a row is low + level * step for levels 0..15 (0 and 15 present): exact in int4
+    levels = torch.randint(0, 16, (48, 2, groups), generator=generator)  # [N, K/G, G]
+    levels[..., 0], levels[..., 1] = 0, 15
+    low = torch.randn(48, 2, 1, generator=generator)  # [N, K/G, 1]
+    step = torch.rand(48, 2, 1, generator=generator) + 0.1  # [N, K/G, 1]
+    weight = (low + levels * step).view(48, 2 * groups)  # [N, K]
+    int4 = quantized.Int4Weight.of(weight)
+    assert int4.group == groups and int4.scales_and_zeros.shape == (2, 48, 2)
+    x = torch.randn(5, 2 * groups, generator=generator)  # [Q, K]
+    exact = x @ weight.T  # [Q, N]
+    error = (int4.matmul(x).float() - exact).norm() / exact.norm()  # only bfloat16 activations, scales and zeros
+    assert float(error) < 0.02
+
+
+@NO_INT4
+def test_an_int4_head_scores_its_best_ids_exactly(model):
+    draft = lean.LeanLlama(model, quantized.INT4)
+    head = draft.head
+    assert isinstance(head, quantized.RescoredHead) and head.exact is not draft.embed  # untied: the head's own rows
+    x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(7))  # [Q, H]
+    logits = head.matmul(x)  # [Q, V]
+    exact = x @ model.lm_head.weight.detach().T  # [Q, V]
+    best = head.approx.matmul(x).float().topk(quantized.RESCORE_TOP, dim=-1).indices  # [Q, top] the int4 ranking
+    assert float((logits.gather(1, best) - head.approx.matmul(x).float().gather(1, best)).abs().max()) > 1e-3
+    torch.testing.assert_close(logits.gather(1, best), exact.gather(1, best), atol=1e-4, rtol=1e-4)
+    assert bool((logits.argmax(-1) == exact.argmax(-1)).all())  # the exact best id is among the int4 head's best
+    tied = tiny_llama(seed=3, layers=1)
+    tied.lm_head.weight = tied.model.embed_tokens.weight  # what tied embeddings are (SmolLM2's)
+    tied_draft = lean.LeanLlama(tied, quantized.INT4)
+    assert tied_draft.head.exact is tied_draft.embed  # no second float copy of the table
 
 
 def test_lean_refuses_other_architectures(model):

@@ -61,15 +61,16 @@ def test_draft_equals_target_on_smollm2(target):
     assert full_rounds and all(s.num_accepted == s.tree_depth for s in full_rounds)
 
 
-def _int8_here() -> bool:
-    from draft_service.lean import int8_available
+def _here(dtype: str) -> bool:
+    from draft_service.quantized import int4_available, int8_available
 
-    return int8_available()
+    return {"int8": int8_available, "int4": int4_available}[dtype]()
 
 
 @pytest.mark.parametrize("drafter,kind,dtype", [
     ("half", "chat", ""), ("half+ngram", "code_rename", ""),
-    pytest.param("half", "chat", "int8", marks=pytest.mark.skipif(not _int8_here(), reason="no weight-only int8 matmul"))])
+    pytest.param("half", "chat", "int8", marks=pytest.mark.skipif(not _here("int8"), reason="no weight-only int8 matmul")),
+    pytest.param("half", "chat", "int4", marks=pytest.mark.skipif(not _here("int4"), reason="no CPU int4 matmul"))])
 def test_half_draft_in_its_own_process_matches_hf_greedy(target, drafter, kind, dtype):
     """The target at the dtype its calibration picks as the draft, in a `specsplit serve draft` child (as the embedded CLI
     runs it)."""
