@@ -15,9 +15,12 @@ accepted (measured by ``bench/draft_dtypes.py``), never the output.
   embeddings, the embedding table the draft holds anyway), and those exact logits replace the estimates (99.5%).
   The other logits stay estimates; a draft's probabilities are its own (it samples from what it reports).
 
-Measured (``bench/draft_dtypes.py``, 1 thread, SmolLM2, a step on a 200-token cache; agreement teacher-forced over
-the float32 target's 96-token greedy answers to the 16 bench prompts), an AVX-512 AMD EPYC, 2026-12-01: float16
-23.1 ms / 99.93%, int8 26.5 ms / 97.61%, int4 15.8 ms / 99.47%.
+Measured (``python bench/draft_dtypes.py --repeats 15 --tokens 96 --every 1``: 1 thread, SmolLM2, a step on a
+200-token cache; agreement teacher-forced over the float32 target's 96-token greedy answers to the 16 bench prompts),
+an AVX-512 AMD EPYC, 2026-12-01 (``bench/results/draft_dtypes_avx512/``): float32 56.2 ms / 100%, float16 24.1 ms /
+99.9%, bfloat16 46.4 ms / 99.3%, int8 27.1 ms / 97.6%, int4 17.0 ms / 99.4%. (A probe the same day: int4 with the
+head's int4 logits as they are 15.1 ms / 94.1%, rescoring the best 4 ids 99.3%, the best 16 99.5%.) For prompts int4
+does not pay (a 256-token prompt 766 ms against bfloat16's 390 ms): the many-token candidates stay float.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ class Int8Weight:
     ``python bench/draft_dtypes.py`` on a Sapphire Rapids CPU (1 thread, SmolLM2, a step on a 200-token cache):
     float32 51 ms, float16 54, bfloat16 50, int8 33 ms; greedy agreement with the float32 target (teacher-forced,
     8 prompts x 64 tokens) float16 99.8%, bfloat16 98.4%, int8 97.7%. Slower than float16 on the AVX-512 EPYC
-    (26.5 vs 23.1 ms)."""
+    (27.1 vs 24.1 ms)."""
 
     values: torch.Tensor  # [N, K] int8
     scales: torch.Tensor  # [N] bfloat16
