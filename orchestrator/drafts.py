@@ -242,6 +242,17 @@ class DraftMixin:
                                                            start.copied, start.max_nodes)
         steps = 0
         step_ms = 0.0  # draft forward time as the draft measured it (no waiting, no network)
+
+        def add(step) -> list[int]:
+            nonlocal seeded, steps, step_ms
+            live = [tree.add(p, t, q) for p, t, q in zip(step.parents, step.token_ids, step.draft_probs)]
+            seeded += step.seeded
+            if live and not step.seeded and step.first > 0:  # a tree forward (the root's children
+                steps += 1                                   # come from the catch-up forward)
+                step_ms += step.draft_ms
+                trigger.note_step(step.draft_ms)
+            return live
+
         if stream is not None:
             try:
                 # The first step may wait for the previous round's last forward and catch up on many tokens.
@@ -251,14 +262,19 @@ class DraftMixin:
                     timeout = self.config.draft_timeout_s
                     if step is None or step.provisional:
                         break
-                    live = [tree.add(p, t, q) for p, t, q in zip(step.parents, step.token_ids, step.draft_probs)]
-                    seeded += step.seeded
-                    if live and not step.seeded and step.first > 0:  # a tree forward (the root's children
-                        steps += 1                                   # come from the catch-up forward)
-                        step_ms += step.draft_ms
-                        trigger.note_step(step.draft_ms)
+                    live = add(step)
                     if step.done or len(tree) >= max_nodes or \
                             trigger.should_verify(tree_confidence(tree.confidence, live), len(tree), fresh=fresh):
+                        # Steps the draft grew before they were read (a first round, grown while the verifier cached
+                        # the prompt) cost no wait: the trigger may verify them too, rather than leave them to the
+                        # next round (the draft's growth past the verified nodes; one round trip later).
+                        for grown in ([] if step.done else stream.ready()):
+                            best = max((q * (tree.confidence[p] if p >= 0 else 1.0)  # its best node's confidence
+                                        for p, q in zip(grown.parents, grown.draft_probs)), default=0.0)
+                            if grown.provisional or len(tree) + len(grown.token_ids) > max_nodes or \
+                                    not trigger.verifies_grown(best):
+                                break
+                            add(grown)
                         break
             except (RpcError, queue.Empty) as err:
                 stream.close()

@@ -79,6 +79,9 @@ class FixedSize:
     def provisional_worth(self, branch_confidence: float) -> bool:
         return True  # no model of acceptance: always draft provisionally
 
+    def verifies_grown(self, branch_confidence: float) -> bool:
+        return False  # the size is the size
+
     def wants_draft(self) -> bool:
         return True
 
@@ -101,6 +104,9 @@ class EdgeLLMThreshold:
 
     def provisional_worth(self, branch_confidence: float) -> bool:
         return True  # the paper's rule has no model of acceptance: always draft provisionally
+
+    def verifies_grown(self, branch_confidence: float) -> bool:
+        return False  # the paper's rule: verify once T < α
 
     def wants_draft(self) -> bool:
         return True  # the paper's rule has no cost model: always draft
@@ -201,6 +207,14 @@ class GoodputThreshold:
         """Draft provisionally from the sent branch only if it is accepted whole often enough: the chance
         is branch_confidence^γ (the model fitted in ``observe``; before any outcome: assume so)."""
         return not self.fitted or branch_confidence ** self.gamma >= PROVISIONAL_MIN_CHANCE
+
+    def verifies_grown(self, branch_confidence: float) -> bool:
+        """Whether a step the draft has already grown past the point where ``should_verify`` fired joins the tree
+        (it costs no wait; left out, it would be verified one round trip later): while pipelined (the draft is
+        reliable) and the branch is still likely to be accepted whole (``provisional_worth``). This is a session's
+        first round: the draft grows it while the verifier caches the prompt (``orchestrator.drafts._open_first_round``)
+        and the trigger reads it once the verifier is ready."""
+        return self.pipelined >= PIPELINE_MIN_SHARE and self.provisional_worth(branch_confidence)
 
     def _rates(self) -> tuple[float, float] | None:
         """(drafted, target-only) rounds' committed tokens per ms; None until both kinds were measured."""

@@ -128,3 +128,35 @@ def test_the_draft_grows_the_first_tree_while_the_verifier_prefills(target):
     assert grows[0].start_time < prefill[0].end_time - 100e6  # the first tree grew while the Prefill travelled
     first = next(c.stats for c in chunks if c.stats is not None)
     assert first.num_draft_tokens == 4  # and it was the round's tree: the trigger read it when the verifier was ready
+
+
+def test_goodput_verifies_what_the_draft_grew_during_the_prefill(target):
+    """What the draft grew while the Prefill travelled is in the first tree when the goodput trigger reads it (it costs
+    no wait; the fixed trigger above keeps its 4): with the target as its own draft, all of it is accepted, and the
+    tokens are still the target's own."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
+    from relay import DelayRelay
+
+    from specsplit.launch import start_draft, start_orchestrator, start_verifier
+
+    config = OrchestratorConfig(trigger="goodput", provisional_max=8, share_estimates=False)
+    verifier = start_verifier(target)
+    draft = start_draft(ModelProposer(tiny_loaded(seed=0, layers=2), DraftConfig(grow_width=1)))  # the target itself
+    try:
+        with DelayRelay("127.0.0.1:0", verifier.address, rtt_ms=200) as relay:
+            orchestrator = start_orchestrator(relay.address, [draft.address], target.tokenizer, config=config)
+            try:
+                chunks = list(Client(orchestrator.address).generate(prompt_token_ids=PROMPTS[0], max_new_tokens=24))
+            finally:
+                orchestrator.stop(0)
+    finally:
+        draft.stop(0)
+        verifier.stop(0)
+    assert [t for c in chunks for t in c.token_ids] == hf_greedy(target.model, PROMPTS[0], 24)
+    first = next(c.stats for c in chunks if c.stats is not None)
+    # before any measurement the goodput trigger would verify 1 node; the draft (a few ms a forward) grew its whole
+    # budget, 23 nodes (24 tokens, one left for the bonus token), in the ~200 ms the Prefill took
+    assert first.num_draft_tokens >= 8 and first.num_accepted == first.num_draft_tokens

@@ -154,6 +154,19 @@ def test_goodput_pipelined_tree_sent_early_when_its_branch_will_likely_be_reject
     assert t.should_verify(0.05, 2)  # an unlikely one: verified now, not drafted on
 
 
+def test_only_goodput_verifies_steps_already_grown_and_only_likely_ones_while_pipelined():
+    assert not FixedSize(4).verifies_grown(1.0) and not EdgeLLMThreshold().verifies_grown(1.0)
+    assert make_trigger("goodput", pipeline=True).verifies_grown(0.01)  # no outcome yet: assumed likely
+    assert not make_trigger("goodput", pipeline=False).verifies_grown(1.0)  # not pipelined: the α rule decides
+    t = make_trigger("goodput", pipeline=True)
+    for _ in range(10):  # a calibrated draft (gamma ~1), pipelined
+        t.observe(RoundOutcome(2, 1, (0.8, 0.4), 2, 100.0, 2, 36.0, pipelined_next=True, verify_ms=90.0))
+    assert t.verifies_grown(0.9) and not t.verifies_grown(0.05)
+    for _ in range(10):  # provisional drafting stopped following the committed path: not pipelined any more
+        t.observe(RoundOutcome(2, 1, (0.8, 0.4), 2, 100.0, 2, 36.0, pipelined_next=False, verify_ms=90.0))
+    assert not t.verifies_grown(0.9)
+
+
 def test_make_trigger():
     assert isinstance(make_trigger("edgellm"), EdgeLLMThreshold)
     assert make_trigger("fixed", 12).size == 12
