@@ -92,10 +92,9 @@ def test_pipelined_verification(target, trigger, pipeline):
         assert at_once > 0
 
 
-def test_the_draft_grows_the_first_tree_while_the_verifier_prefills(target):
-    """A new session's first streamed round opens before the verifier's Prefill: with the verifier 200 ms away (the
-    benchmark's delaying TCP relay), the draft's first DraftTree round begins while that Prefill is still on its way,
-    and the session's tokens are still the target's own."""
+def generate_200_ms_away(target, config: OrchestratorConfig) -> list:
+    """Chunks of one 24-token generation of PROMPTS[0] with the verifier behind the benchmark's delaying TCP relay
+    (200 ms round trip) and the target itself as the draft (chains), each service in its own server."""
     import pathlib
     import sys
 
@@ -104,20 +103,27 @@ def test_the_draft_grows_the_first_tree_while_the_verifier_prefills(target):
 
     from specsplit.launch import start_draft, start_orchestrator, start_verifier
 
-    exporter = span_exporter()
-    config = OrchestratorConfig(trigger="fixed", fixed_tree_nodes=4, provisional_max=8, share_estimates=False)
     verifier = start_verifier(target)
     draft = start_draft(ModelProposer(tiny_loaded(seed=0, layers=2), DraftConfig(grow_width=1)))
     try:
         with DelayRelay("127.0.0.1:0", verifier.address, rtt_ms=200) as relay:
             orchestrator = start_orchestrator(relay.address, [draft.address], target.tokenizer, config=config)
             try:
-                chunks = list(Client(orchestrator.address).generate(prompt_token_ids=PROMPTS[0], max_new_tokens=24))
+                return list(Client(orchestrator.address).generate(prompt_token_ids=PROMPTS[0], max_new_tokens=24))
             finally:
                 orchestrator.stop(0)
     finally:
         draft.stop(0)
         verifier.stop(0)
+
+
+def test_the_draft_grows_the_first_tree_while_the_verifier_prefills(target):
+    """A new session's first streamed round opens before the verifier's Prefill: with the verifier 200 ms away (the
+    benchmark's delaying TCP relay), the draft's first DraftTree round begins while that Prefill is still on its way,
+    and the session's tokens are still the target's own."""
+    exporter = span_exporter()
+    config = OrchestratorConfig(trigger="fixed", fixed_tree_nodes=4, provisional_max=8, share_estimates=False)
+    chunks = generate_200_ms_away(target, config)
     spans = exporter.get_finished_spans()
     exporter.shutdown()
     assert [t for c in chunks for t in c.token_ids] == hf_greedy(target.model, PROMPTS[0], 24)
@@ -134,27 +140,7 @@ def test_goodput_verifies_what_the_draft_grew_during_the_prefill(target):
     """What the draft grew while the Prefill travelled is in the first tree when the goodput trigger reads it (it costs
     no wait; the fixed trigger above keeps its 4): with the target as its own draft, all of it is accepted, and the
     tokens are still the target's own."""
-    import pathlib
-    import sys
-
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
-    from relay import DelayRelay
-
-    from specsplit.launch import start_draft, start_orchestrator, start_verifier
-
-    config = OrchestratorConfig(trigger="goodput", provisional_max=8, share_estimates=False)
-    verifier = start_verifier(target)
-    draft = start_draft(ModelProposer(tiny_loaded(seed=0, layers=2), DraftConfig(grow_width=1)))  # the target itself
-    try:
-        with DelayRelay("127.0.0.1:0", verifier.address, rtt_ms=200) as relay:
-            orchestrator = start_orchestrator(relay.address, [draft.address], target.tokenizer, config=config)
-            try:
-                chunks = list(Client(orchestrator.address).generate(prompt_token_ids=PROMPTS[0], max_new_tokens=24))
-            finally:
-                orchestrator.stop(0)
-    finally:
-        draft.stop(0)
-        verifier.stop(0)
+    chunks = generate_200_ms_away(target, OrchestratorConfig(trigger="goodput", provisional_max=8, share_estimates=False))
     assert [t for c in chunks for t in c.token_ids] == hf_greedy(target.model, PROMPTS[0], 24)
     first = next(c.stats for c in chunks if c.stats is not None)
     # before any measurement the goodput trigger would verify 1 node; the draft (a few ms a forward) grew its whole
