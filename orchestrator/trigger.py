@@ -211,9 +211,9 @@ class GoodputThreshold:
     def verifies_grown(self, branch_confidence: float) -> bool:
         """Whether a step the draft has already grown past the point where ``should_verify`` fired joins the tree
         (it costs no wait; left out, it would be verified one round trip later): while pipelined (the draft is
-        reliable) and the branch is still likely to be accepted whole (``provisional_worth``). This is a session's
-        first round: the draft grows it while the verifier caches the prompt (``orchestrator.drafts._open_first_round``)
-        and the trigger reads it once the verifier is ready."""
+        reliable) and the branch is still likely to be accepted whole (``provisional_worth``). Such steps pile up in a
+        session's first round: the draft grows it while the verifier caches the prompt
+        (``orchestrator.drafts._open_first_round``) and the trigger reads it once the verifier is ready."""
         return self.pipelined >= PIPELINE_MIN_SHARE and self.provisional_worth(branch_confidence)
 
     def _rates(self) -> tuple[float, float] | None:
