@@ -46,12 +46,14 @@ def int4_available(device: torch.device | str = "cpu") -> bool:
 
 
 def int4_fits(model) -> bool:
-    """Whether every weight of ``model`` that a lean copy holds splits into int4 groups (rows a multiple of
-    INT4_GROUP long, and of 16 rows, as the packed layout needs)."""
+    """Whether every weight a lean copy of ``model`` holds packs into int4 groups: rows a multiple of INT4_GROUP
+    long, and a multiple of 16 rows (PyTorch's packed layout)."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    lengths = (config.hidden_size, config.intermediate_size, config.num_attention_heads * head_dim)
-    return all(n % INT4_GROUP == 0 and n % 16 == 0 for n in lengths) and config.vocab_size % 16 == 0
+    hidden, inner, heads = config.hidden_size, config.intermediate_size, config.num_attention_heads * head_dim
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim
+    shapes = ((qkv, hidden), (hidden, heads), (2 * inner, hidden), (hidden, inner), (config.vocab_size, hidden))
+    return all(rows % 16 == 0 and cols % INT4_GROUP == 0 for rows, cols in shapes)
 
 
 @dataclass(frozen=True)

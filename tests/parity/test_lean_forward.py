@@ -139,6 +139,15 @@ def test_int4_groups_hold_sixteen_levels_between_their_min_and_max():
     assert float(error) < 0.02
 
 
+def test_int4_fits_only_rows_of_whole_groups(model):
+    from types import SimpleNamespace
+
+    assert quantized.int4_fits(model)  # hidden 64, intermediate 128, vocab 320
+    config = model.config.to_dict()
+    for change in ({"hidden_size": 72}, {"vocab_size": 328}, {"head_dim": 12}):  # rows of 72, 328 rows, rows of 48
+        assert not quantized.int4_fits(SimpleNamespace(config=type(model.config)(**{**config, **change})))
+
+
 @NO_INT4
 def test_an_int4_head_scores_its_best_ids_exactly(model):
     draft = lean.LeanLlama(model, quantized.INT4)
