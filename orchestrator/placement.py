@@ -75,14 +75,17 @@ class KvPlacement:
         """
         tried: set[str] = set()
         while True:
-            if prefer is not None and prefer.healthy and prefer.address not in tried:
-                replica = prefer
-            else:
-                replica = self.replicas.pick(exclude=tried)  # Unavailable when every replica was tried
+            reserved = not (prefer is not None and prefer.healthy and prefer.address not in tried)
+            # Unavailable when every replica was tried; a picked replica counts the session from now on.
+            replica = self.replicas.pick(exclude=tried, reserve=True) if reserved else prefer
             tried.add(replica.address)
             try:
                 self._load(session, replica, fresh)
-            except RpcError as err:
+            except BaseException as err:
+                if reserved:
+                    self.replicas.placed(replica, -1)  # not placed there after all
+                if not isinstance(err, RpcError):
+                    raise
                 code = err.code()
                 if code in DOWN:
                     self.replicas.mark_down(replica, f"{code.name} during restore")
@@ -94,7 +97,7 @@ class KvPlacement:
                     raise ResourceExhausted(f"the verifier is at capacity: {err.details()}") from None
                 raise
             replica.healthy = True
-            self._place(session, replica)
+            self._place(session, replica, reserved)
             return
 
     def _load(self, session, replica: Replica, fresh: bool) -> None:
@@ -124,10 +127,11 @@ class KvPlacement:
         self.planner.observe(kind, len(tokens), ms)
         log.info("session %s: %s of %d tokens on %s took %.1f ms", session.id, kind, len(tokens), replica.address, ms)
 
-    def _place(self, session, replica: Replica) -> None:
-        if session.replica is not replica:
-            if session.replica is not None:
-                self.replicas.placed(session.replica, -1)
+    def _place(self, session, replica: Replica, reserved: bool = False) -> None:
+        """reserved: ``pick`` already counted the session on ``replica``."""
+        if session.replica is not None:
+            self.replicas.placed(session.replica, -1)
+        if not reserved:
             self.replicas.placed(replica, +1)
         session.replica = replica
         session.used.add(replica.address)

@@ -42,8 +42,13 @@ class ReplicaSet:
     def by_address(self, address: str) -> Replica | None:
         return next((r for r in self.replicas if r.address == address), None)
 
-    def pick(self, exclude: Iterable[str] = ()) -> Replica:
-        """The healthy replica with the fewest of our sessions (not in ``exclude``); else any not excluded."""
+    def pick(self, exclude: Iterable[str] = (), reserve: bool = False) -> Replica:
+        """The healthy replica with the fewest of our sessions (not in ``exclude``); else any not excluded.
+
+        reserve: count the session on it at once (``placed(replica, -1)`` undoes it if the load fails), so
+        sessions that arrive together spread over the replicas instead of all taking the one that was
+        emptiest before any of them had loaded.
+        """
         excluded = set(exclude)
         with self._lock:
             candidates = [r for r in self.replicas if r.address not in excluded]
@@ -52,7 +57,10 @@ class ReplicaSet:
                 raise Unavailable("no verifier replica is reachable (tried: "
                                   f"{', '.join(sorted(excluded)) or 'none'}); retry later")
             # A replica marked down may be back before the next health check: try it last, not never.
-            return min(healthy or candidates, key=lambda r: r.sessions)
+            replica = min(healthy or candidates, key=lambda r: r.sessions)
+            if reserve:
+                replica.sessions += 1
+            return replica
 
     def placed(self, replica: Replica, delta: int) -> None:
         with self._lock:

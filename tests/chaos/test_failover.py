@@ -66,14 +66,17 @@ def test_kill9_a_verifier_replica_while_16_sessions_generate(model_dir, services
                              "--target-model", str(path))
     gens = Generations(orch, PROMPTS, 160)
     at_kill = gens.wait_until_each_has(4)  # every session is mid-generation
-    on_v1 = RemoteVerifier(addresses[0]).info(timeout=5).num_sessions
-    services.kill9(v1)
+    held = [RemoteVerifier(a).info(timeout=5).num_sessions for a in addresses[:2]]
+    # Sessions are spread over both; kill the busier (a health check that timed out under load may
+    # have steered some new sessions away from one).
+    doomed = 0 if held[0] >= held[1] else 1
+    services.kill9((v1, v2)[doomed])
     results = gens.join()
-    assert on_v1 >= 2  # sessions were on the replica that died
+    assert held[doomed] >= 4  # sessions were on the replica that died
     assert sum(len(results[i]) > at_kill[i] for i in results) >= 12  # and most were still generating
     for i, prompt in enumerate(PROMPTS):
         assert results[i] == hf_greedy(loaded.model, prompt, 160), i
-    assert RemoteVerifier(addresses[1]).info(timeout=5).num_sessions == 0  # all released
+    assert RemoteVerifier(addresses[1 - doomed]).info(timeout=5).num_sessions == 0  # all released
 
 
 def test_kill9_the_orchestrator_and_resume_through_the_sdk(model_dir, services, redis_server):

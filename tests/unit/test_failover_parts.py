@@ -41,6 +41,15 @@ def test_pick_prefers_healthy_then_least_loaded_and_skips_excluded():
     assert [r.healthy for r in replicas] == [False, True, True]
 
 
+def test_pick_with_reserve_spreads_sessions_that_arrive_together():
+    replicas = ReplicaSet([FakeVerifier("a"), FakeVerifier("b")], health_interval_s=0)
+    picked = [replicas.pick(reserve=True).address for _ in range(6)]  # none has loaded yet
+    assert sorted(picked) == ["a"] * 3 + ["b"] * 3
+    assert [r.sessions for r in replicas] == [3, 3]
+    replicas.placed(replicas.by_address("a"), -1)  # one load failed: its reservation is undone
+    assert replicas.pick().address == "a"
+
+
 def test_restore_planner_measures_then_picks_the_faster():
     planner = RestorePlanner(min_tokens=32)
     assert planner.prefer_import()  # untried: try it, so it gets measured
