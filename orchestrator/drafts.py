@@ -236,6 +236,8 @@ class DraftMixin:
         if start is None:
             start = self._open_round(session, remaining)
         else:
+            if session.prefill is not None:  # still running: the tree goes when it is expected to be done
+                session.prefill.wait_to_send()
             start.started = time.perf_counter()  # opened before the prefill: the round starts now
         trigger, tree, stream, ahead = session.trigger, start.tree, start.stream, start.ahead
         started, seeded, fresh, span, copied, max_nodes = (start.started, start.seeded, start.fresh, start.span,

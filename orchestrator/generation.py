@@ -148,16 +148,37 @@ class Orchestrator(DraftMixin):
             if draft is not None:  # first: a model draft prefills the prompt and grows its first tree meanwhile
                 self._start_draft(session)
                 self._open_first_round(session)
-            with tracer.start_as_current_span("specsplit.orchestrator.prefill"):
-                self.placement.restore(session, fresh=True)
-            self._commit(session)  # the store now names the replica holding the cache
+            if session.opened is not None and self.config.early_verify and not session.wants_features:
+                session.prefill = self.placement.start_prefill(session)  # the first round sends its tree early
+            if session.prefill is None:
+                with tracer.start_as_current_span("specsplit.orchestrator.prefill"):
+                    self.placement.restore(session, fresh=True)
+                self._commit(session)  # the store now names the replica holding the cache
         except BaseException:
-            self._drop_opened(session)
-            self._end_draft(session)
-            self.placement.release(session)
-            self.store.delete(state.session_id)
+            self._abandon(session)
             raise
         return session
+
+    def _abandon(self, session: LiveSession) -> None:
+        """A new session whose start failed: free what it holds and forget it (its id may be used again)."""
+        self._drop_opened(session)
+        self._end_draft(session)
+        self.placement.release(session)
+        self.store.delete(session.id)
+
+    def _prefilled(self, session: LiveSession) -> None:
+        """Wait for a new session's prefill still running (``placement.PrefillInFlight``); if it failed, the session
+        is abandoned (as a failed start is) and the error raised."""
+        inflight, session.prefill = session.prefill, None
+        if inflight is None:
+            return
+        try:
+            inflight.future.result()
+        except BaseException:
+            self._abandon(session)
+            session.lost = True  # nothing left for _settle to do
+            raise
+        self._commit(session)  # the store now names the replica holding the cache
 
     def _resume(self, request: GenerationRequest) -> LiveSession:
         session_id, client_has = request.resume_session_id, request.resume_from_token
@@ -186,6 +207,11 @@ class Orchestrator(DraftMixin):
     def _settle(self, session: LiveSession) -> None:
         """After the stream: free a finished or cancelled session everywhere; detach a resumable one."""
         state = session.state
+        if session.prefill is not None:  # (a stream that ended before its first Verify)
+            try:
+                self._prefilled(session)
+            except BaseException as err:  # noqa: BLE001 - abandoned; the stream already ended with its own error
+                log.info("session %s: prefill failed after its stream ended: %s", session.id, err)
         self._drop_opened(session)  # (a session that ended before its first round)
         if not session.owned or session.lost:
             self.placement.forget(session)
@@ -260,10 +286,18 @@ class Orchestrator(DraftMixin):
             try:
                 if session.draft is not None and request.resume_session_id:  # (a new session's started in _start)
                     self._start_draft(session)
-                yield Chunk("", [], session_id=session.id, prompt_token_ids=list(state.prompt_token_ids))
+                if session.prefill is None:  # else once the prefill is done: a failed one is an error, not a stream
+                    yield self._announce(session)
                 yield from self._replay(session, request.resume_from_token)
                 if state.status == RUNNING:
-                    yield from self._rounds(session, cancelled, info)
+                    rounds = self._rounds(session, cancelled, info)
+                    try:
+                        for chunk in rounds:
+                            if not session.announced:  # the prefill is done by any round's end
+                                yield self._announce(session)
+                            yield chunk
+                    finally:
+                        rounds.close()
             except (GeneratorExit, Unavailable, StaleRound):
                 raise  # the client left, or a transient outage: a resumable session stays resumable
             except BaseException:
@@ -275,6 +309,12 @@ class Orchestrator(DraftMixin):
                 self._settle(session)
                 span.set_attribute("gen_ai.usage.output_tokens", state.generated)
                 span.set_attribute("specsplit.rounds", state.rounds)
+
+    @staticmethod
+    def _announce(session: LiveSession) -> Chunk:
+        """The stream's first chunk: the session id and the prompt's tokens."""
+        session.announced = True
+        return Chunk("", [], session_id=session.id, prompt_token_ids=list(session.state.prompt_token_ids))
 
     def _replay(self, session: LiveSession, client_has: int) -> Iterator[Chunk]:
         """Committed tokens a resuming client has not seen (and the finish, if the session ended)."""
@@ -292,6 +332,8 @@ class Orchestrator(DraftMixin):
         state = session.state
         eos = set(info.eos_token_ids)
         while True:
+            if session.prefill is not None and (session.cancel.is_set() or cancelled.is_set()):
+                self._prefilled(session)  # (before anything ends the stream)
             if session.cancel.is_set():
                 state.status, state.finish_reason = CANCELLED, "cancelled"
                 yield Chunk(session.stream.finish(), [], finish_reason="cancelled")
@@ -359,10 +401,24 @@ class Orchestrator(DraftMixin):
         """Verify the round's tree -> (verdict, timing). With no tree the target decodes a burst of tokens
         alone in the same request (``orchestrator.burst``), sized by the round trips measured so far."""
         steps = 0 if len(tree) else session.burst.tokens(remaining) - 1
-        reply = self.placement.verify(session, tree, remaining, decode_steps=steps)
+        if session.prefill is not None:  # a new session's first round, its prefill still running
+            reply = self._verify_first(session, tree, remaining, steps)
+        else:
+            reply = self.placement.verify(session, tree, remaining, decode_steps=steps)
         session.burst.observe(reply.timing.call_ms, reply.timing.verify_ms,
                               len(reply.verdict.committed_token_ids), plain=not len(tree))
         return reply.verdict, reply.timing
+
+    def _verify_first(self, session: LiveSession, tree: TokenTree, remaining: int, steps: int):
+        """The first Verify, sent as the prefill is expected to end in the verifier (``placement.PrefillInFlight``),
+        before its answer is back; if it could not be, it is sent again once the prefill is done."""
+        session.prefill.wait_to_send()
+        early = None if session.prefill.future.done() else self.placement.send_early(session, tree, remaining, steps)
+        self._prefilled(session)
+        if early is not None and early[0] is session.replica:
+            self.placement.verified(session, *early)
+            return early[1]
+        return self.placement.verify(session, tree, remaining, decode_steps=steps)
 
     @staticmethod
     def _add_text(session: LiveSession, tokens: list[int]) -> tuple[list[int], list[int], str, bool]:

@@ -12,11 +12,13 @@ it could commit): the cache is rebuilt from the store's tokens.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 import grpc
-from opentelemetry import trace
+from opentelemetry import context, trace
 
 from orchestrator.replicas import Replica, ReplicaSet
 from specsplit.config import OrchestratorConfig
@@ -42,8 +44,11 @@ class RestorePlanner:
 
     min_tokens: int = 32
     ema: float = 0.3
-    prefill_ms_per_token: float | None = None
+    prefill_ms_per_token: float | None = None  # the whole call, as the orchestrator saw it
     import_ms_per_token: float | None = None
+    # The verifier's own time for a prefill (arrival to answer, queueing included), per token: when a prefill sent
+    # now will be done there, whatever the network (``PrefillInFlight``).
+    verifier_prefill_ms_per_token: float | None = None
     counts: dict = field(default_factory=lambda: {"prefill": 0, "import": 0})  # restores done, by kind
 
     def prefer_import(self) -> bool:
@@ -51,13 +56,41 @@ class RestorePlanner:
             return True
         return self.import_ms_per_token <= self.prefill_ms_per_token
 
-    def observe(self, kind: str, num_tokens: int, ms: float) -> None:
+    def observe(self, kind: str, num_tokens: int, ms: float, verifier_ms: float = 0.0) -> None:
+        """verifier_ms: a prefill's time in the verifier (0: not reported)."""
         self.counts[kind] += 1
         if num_tokens < self.min_tokens:
             return
-        name = f"{kind}_ms_per_token"
-        old, new = getattr(self, name), ms / num_tokens
+        self._mix(f"{kind}_ms_per_token", ms / num_tokens)
+        if kind == "prefill" and verifier_ms > 0:
+            self._mix("verifier_prefill_ms_per_token", verifier_ms / num_tokens)
+
+    def expected_prefill_ms(self, num_tokens: int) -> float | None:
+        """The verifier's time for a prefill of ``num_tokens``: 0 for a short one (under ``min_tokens``) until a rate
+        is measured, None for a longer one then."""
+        rate = self.verifier_prefill_ms_per_token
+        if rate is None:
+            return 0.0 if num_tokens < self.min_tokens else None
+        return rate * num_tokens
+
+    def _mix(self, name: str, new: float) -> None:
+        old = getattr(self, name)
         setattr(self, name, new if old is None else (1 - self.ema) * old + self.ema * new)
+
+
+@dataclass
+class PrefillInFlight:
+    """A new session's prefill running in its own thread (``KvPlacement.start_prefill``), so that the session's
+    first tree can be sent before the prefill's answer is back: timed to reach the verifier as the prefill ends
+    there, it is verified one network round trip sooner than after the answer (the verifier runs a session's
+    requests in order: a Verify that arrives early waits for the prefill)."""
+
+    future: Future  # resolves when the prefill is done (its exception if it failed)
+    send_at: float  # perf_counter time the prefill is expected to be done in the verifier
+
+    def wait_to_send(self) -> None:
+        """Until the prefill is expected to be done in the verifier, or its answer is back."""
+        wait([self.future], timeout=max(0.0, self.send_at - time.perf_counter()))
 
 
 class KvPlacement:
@@ -79,6 +112,7 @@ class KvPlacement:
             # Unavailable when every replica was tried; a picked replica counts the session from now on.
             replica = self.replicas.pick(exclude=tried, reserve=True) if reserved else prefer
             tried.add(replica.address)
+            session.loading = replica
             try:
                 self._load(session, replica, fresh)
             except BaseException as err:
@@ -124,7 +158,7 @@ class KvPlacement:
                 kind = "prefill"
             ms = (time.perf_counter() - start) * 1e3
             span.set_attribute("specsplit.restore", kind)
-        self.planner.observe(kind, len(tokens), ms)
+        self.planner.observe(kind, len(tokens), ms, reply.prefill_ms if kind == "prefill" else 0.0)
         log.info("session %s: %s of %d tokens on %s took %.1f ms", session.id, kind, len(tokens), replica.address, ms)
 
     def _place(self, session, replica: Replica, reserved: bool = False) -> None:
@@ -146,6 +180,52 @@ class KvPlacement:
         else:
             self.restore(session)
 
+    def start_prefill(self, session) -> PrefillInFlight | None:
+        """A new session's ``restore`` in a thread of its own; None (nothing started) for a prompt whose prefill time
+        cannot be told yet (``RestorePlanner.expected_prefill_ms``): the first tree's send time comes from it."""
+        expected_ms = self.planner.expected_prefill_ms(len(session.token_ids))
+        if expected_ms is None:
+            return None
+        inflight = PrefillInFlight(Future(), time.perf_counter() + expected_ms / 1e3)
+        parent = context.get_current()  # the generate span: the prefill's span stays in its trace
+
+        def run():
+            token = context.attach(parent)
+            try:
+                with tracer.start_as_current_span("specsplit.orchestrator.prefill"):
+                    self.restore(session, fresh=True)
+                inflight.future.set_result(None)
+            except BaseException as err:  # noqa: BLE001 - the session's own thread raises it
+                inflight.future.set_exception(err)
+            finally:
+                context.detach(token)
+
+        threading.Thread(target=run, name=f"specsplit-prefill-{session.id}", daemon=True).start()
+        return inflight
+
+    def send_early(self, session, tree, max_commit: int, decode_steps: int = 0):
+        """Send a new session's first Verify to the replica its prefill went to while that prefill is still running
+        (``PrefillInFlight``) -> (replica, reply), or None when it could not be (the caller waits for the prefill,
+        then verifies as usual: a replica that was not there or failed is then handled by ``verify``)."""
+        replica = session.loading
+        if replica is None:
+            return None
+        try:
+            reply = replica.client.verify_reply(session.id, tree, len(session.token_ids), max_commit,
+                                                timeout=self.config.prefill_timeout_s + self.config.verify_timeout_s,
+                                                decode_steps=decode_steps)
+        except RpcError as err:
+            log.info("session %s: early first Verify on %s failed (%s); verifying after the prefill",
+                     session.id, replica.address, err.code())
+            return None
+        return replica, reply
+
+    def verified(self, session, replica: Replica, reply) -> None:
+        """Book a Verify the replica answered."""
+        replica.healthy = True  # it answered: back in rotation before the next health check
+        session.state.verifier_length = len(session.token_ids) + len(reply.verdict.committed_token_ids)
+        session.absorb(reply)
+
     # -- a verification round, moving the session when its replica fails ---------------------------------
     def verify(self, session, tree, max_commit: int, decode_steps: int = 0):
         last = None
@@ -157,9 +237,7 @@ class KvPlacement:
             try:
                 reply = replica.client.verify_reply(session.id, tree, len(session.token_ids), max_commit,
                                                     timeout=self.config.verify_timeout_s, decode_steps=decode_steps)
-                replica.healthy = True  # it answered: back in rotation before the next health check
-                session.state.verifier_length = len(session.token_ids) + len(reply.verdict.committed_token_ids)
-                session.absorb(reply)
+                self.verified(session, replica, reply)
                 return reply
             except RpcError as err:
                 code, last = err.code(), err

@@ -44,6 +44,9 @@ class LiveSession:
     since_copy: int = 1 << 30  # rounds since the last one that verified a copied span
     copy_hits: float = 1.0  # decayed share of looked-up span tokens that were right (specsplit.lookup.span_hits)
     opened: object | None = None  # a new session's first round, opened before the verifier's prefill (drafts.RoundStart)
+    prefill: object | None = None  # a new session's prefill still running in its own thread (placement.PrefillInFlight)
+    loading: object | None = None  # the replica a restore is loading the cache onto (set before its call)
+    announced: bool = False  # the stream's first chunk (session id, prompt) was sent
 
     @property
     def id(self) -> str:

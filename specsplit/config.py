@@ -101,6 +101,11 @@ class OrchestratorConfig:
     # of waiting for the draft's next round and the trigger. The verifier never waits for the draft, and a
     # tree is as long as what the draft made during the last verification (incl. the network round trip).
     pipeline: bool = True
+    # A new session's first tree is sent while the verifier is still prefilling the prompt, timed from the measured
+    # prefill rate to arrive as the prefill ends (the verifier runs it right after): its tokens come back one
+    # network round trip sooner than when the tree waits for the prefill's answer. Off, or until a prefill has been
+    # measured: the first tree is sent after the answer.
+    early_verify: bool = True
     # Rounds with no draft tree (--draft none, a draft that does not pay, a failed draft) ask the verifier to
     # decode a burst of tokens alone in one request, sized so the measured round trip outside the verifier
     # is at most burst_overhead of the round (RTT 50 ms, ~80 ms a token: 13 tokens; at 10% it was 6, and the

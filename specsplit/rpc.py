@@ -128,6 +128,7 @@ class VerifierReply:
     proposal: TokenTree | None = None
     verdict: Verdict | None = None  # Verify only
     timing: VerifyTiming | None = None  # Verify only
+    prefill_ms: float = 0.0  # Prefill only: arrival to answer in the verifier, queueing included
 
 
 def _extras_from_pb(msg) -> tuple[Features | None, TokenTree | None]:
@@ -240,7 +241,7 @@ class RemoteVerifier:
                                                           sampling=sampling_to_pb(sampling or SamplingParams()),
                                                           return_features=return_features, medusa=medusa),
                               timeout=timeout)
-        return VerifierReply(r.committed_length, *_extras_from_pb(r))
+        return VerifierReply(r.committed_length, *_extras_from_pb(r), prefill_ms=r.prefill_ms)
 
     def verify(self, session_id: str, tree: TokenTree, expected_committed_length: int, max_commit: int,
                timeout: float, decode_steps: int = 0) -> tuple[Verdict, VerifyTiming]:

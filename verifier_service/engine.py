@@ -28,6 +28,7 @@ another replica (after failover, an import or a re-prefill) continues with exact
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -51,6 +52,8 @@ from verifier_service.work import (BatchStats, ExportWork, ImportWork, PrefillRe
 
 tracer = trace.get_tracer(__name__)
 
+# A Verify for a session not (yet) admitted waits this long for its Prefill, which may have been sent just before it.
+ADMISSION_GRACE_S = 0.05
 ACTIVE_WINDOW_S = 1.0  # a session answered longer ago than this is idle: no tick waits for it
 
 
@@ -72,7 +75,7 @@ class TargetEngine:
         self._store = SlotStore(self.config.max_sessions, self.config.kv_grow_tokens)
         self._group_overhead = group_overhead_for(self.device, self.config.attention_group_overhead)
         self._sessions: dict[str, TargetSession] = {}
-        self._sessions_lock = threading.Lock()
+        self._sessions_lock = threading.Condition()  # notified when a session is admitted
         self._queued_prefill_tokens = 0
         cfg = self.config
         self._eos = frozenset(self.eos_token_ids)  # a decode burst stops after one of these
@@ -117,7 +120,7 @@ class TargetEngine:
         session.return_features, session.medusa = return_features, medusa
         work = PrefillWork(session, min(len(to_cache), self.config.prefill_chunk), session=session, token_ids=to_cache)
         try:
-            with session.lock, tracer.start_as_current_span("specsplit.verifier.prefill") as span:
+            with _held(session.lock), tracer.start_as_current_span("specsplit.verifier.prefill") as span:
                 span.set_attribute("gen_ai.usage.input_tokens", len(prompt_token_ids))
                 result: PrefillResult = self._scheduler.submit(work).result()
                 if result.features is not None:
@@ -142,7 +145,8 @@ class TargetEngine:
             raise InvalidArgument(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
 
     def _admit(self, session_id: str, token_ids: list[int], sampling: SamplingParams, to_cache: int) -> TargetSession:
-        """Register a new session (refused when the id is taken or the verifier is full)."""
+        """Register a new session (refused when the id is taken or the verifier is full), its lock held by the caller
+        from before anyone can see it: a Verify that arrives right behind the Prefill waits until its cache is built."""
         with self._sessions_lock:
             if session_id in self._sessions:
                 raise FailedPrecondition(f"session {session_id!r} already exists; Release it or use a new id")
@@ -159,7 +163,9 @@ class TargetEngine:
                     "another replica"
                 )
             session = TargetSession(list(token_ids), sampling, session_generator(sampling))
+            session.lock.acquire()
             self._sessions[session_id] = session
+            self._sessions_lock.notify_all()
             self._queued_prefill_tokens += to_cache
         return session
 
@@ -177,6 +183,11 @@ class TargetEngine:
         if not 0 <= decode_steps <= self.config.max_decode_steps:
             raise InvalidArgument(f"decode_steps={decode_steps}: this verifier decodes at most "
                                   f"{self.config.max_decode_steps} tokens alone per Verify (max_decode_steps)")
+        # A Verify sent right behind its session's Prefill (an orchestrator's early first tree) may be read a moment
+        # before that Prefill is: give it a moment to be admitted. Once admitted, the session's lock (the Prefill holds
+        # it until its cache is built) makes the Verify wait for it.
+        with self._sessions_lock:
+            self._sessions_lock.wait_for(lambda: session_id in self._sessions, timeout=ADMISSION_GRACE_S)
         session = self.session(session_id)
         with session.lock:
             if session.released:
@@ -217,6 +228,11 @@ class TargetEngine:
     def export_session(self, session_id: str, expected_committed_length: int, dtype: str = "") -> bytes:
         """The session's cached K/V (every committed token but the pending one) as bytes; it stays here."""
         target = offload.target_dtype(dtype)
+        # A Verify sent right behind its session's Prefill (an orchestrator's early first tree) may be read a moment
+        # before that Prefill is: give it a moment to be admitted. Once admitted, the session's lock (the Prefill holds
+        # it until its cache is built) makes the Verify wait for it.
+        with self._sessions_lock:
+            self._sessions_lock.wait_for(lambda: session_id in self._sessions, timeout=ADMISSION_GRACE_S)
         session = self.session(session_id)
         with session.lock:
             if session.released:
@@ -247,7 +263,7 @@ class TargetEngine:
         session = self._admit(session_id, token_ids, sampling, 0)
         session.return_features, session.medusa = return_features, medusa
         try:
-            with session.lock, tracer.start_as_current_span("specsplit.verifier.import") as span:
+            with _held(session.lock), tracer.start_as_current_span("specsplit.verifier.import") as span:
                 span.set_attribute("specsplit.committed_length", len(token_ids))
                 self._scheduler.submit(ImportWork(session, 0, session=session, layers=layers)).result()
         except BaseException:
@@ -443,6 +459,15 @@ class TargetEngine:
                 self._queued_prefill_tokens -= len(work.token_ids) - work.done
             work.done = len(work.token_ids)
         work.future.set_exception(err)
+
+
+@contextlib.contextmanager
+def _held(lock):
+    """A lock the caller already holds, released on leaving."""
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _ms_since(start: float) -> float:

@@ -92,9 +92,10 @@ def test_pipelined_verification(target, trigger, pipeline):
         assert at_once > 0
 
 
-def generate_200_ms_away(target, config: OrchestratorConfig) -> list:
-    """Chunks of one 24-token generation of PROMPTS[0] with the verifier behind the benchmark's delaying TCP relay
-    (200 ms round trip) and the target itself as the draft (chains), each service in its own server."""
+def generate_200_ms_away(target, config: OrchestratorConfig, runs: int = 1) -> list:
+    """Chunks of a 24-token generation of PROMPTS[0] with the verifier behind the benchmark's delaying TCP relay
+    (200 ms round trip) and the target itself as the draft (chains), each service in its own server; with ``runs``
+    > 1, a list of such chunk lists, the generations one after another through one orchestrator."""
     import pathlib
     import sys
 
@@ -109,7 +110,9 @@ def generate_200_ms_away(target, config: OrchestratorConfig) -> list:
         with DelayRelay("127.0.0.1:0", verifier.address, rtt_ms=200) as relay:
             orchestrator = start_orchestrator(relay.address, [draft.address], target.tokenizer, config=config)
             try:
-                return list(Client(orchestrator.address).generate(prompt_token_ids=PROMPTS[0], max_new_tokens=24))
+                done = [list(Client(orchestrator.address).generate(prompt_token_ids=PROMPTS[0], max_new_tokens=24))
+                        for _ in range(runs)]
+                return done if runs > 1 else done[0]
             finally:
                 orchestrator.stop(0)
     finally:
@@ -122,7 +125,8 @@ def test_the_draft_grows_the_first_tree_while_the_verifier_prefills(target):
     benchmark's delaying TCP relay), the draft's first DraftTree round begins while that Prefill is still on its way,
     and the session's tokens are still the target's own."""
     exporter = span_exporter()
-    config = OrchestratorConfig(trigger="fixed", fixed_tree_nodes=4, provisional_max=8, share_estimates=False)
+    config = OrchestratorConfig(trigger="fixed", fixed_tree_nodes=4, provisional_max=8, share_estimates=False,
+                                early_verify=False)
     chunks = generate_200_ms_away(target, config)
     spans = exporter.get_finished_spans()
     exporter.shutdown()
@@ -140,9 +144,42 @@ def test_goodput_verifies_what_the_draft_grew_during_the_prefill(target):
     """What the draft grew while the Prefill travelled is in the first tree when the goodput trigger reads it (it costs
     no wait; the fixed trigger above keeps its 4): with the target as its own draft, all of it is accepted, and the
     tokens are still the target's own."""
-    chunks = generate_200_ms_away(target, OrchestratorConfig(trigger="goodput", provisional_max=8, share_estimates=False))
+    # early_verify off: the first tree waits for the Prefill's answer (as when no prefill time can be told yet)
+    config = OrchestratorConfig(trigger="goodput", provisional_max=8, share_estimates=False, early_verify=False)
+    chunks = generate_200_ms_away(target, config)
     assert [t for c in chunks for t in c.token_ids] == hf_greedy(target.model, PROMPTS[0], 24)
     first = next(c.stats for c in chunks if c.stats is not None)
     # before any measurement the goodput trigger would verify 1 node; the draft (a few ms a forward) grew its whole
     # budget, 23 nodes (24 tokens, one left for the bonus token), in the ~200 ms the Prefill took
     assert first.num_draft_tokens >= 8 and first.num_accepted == first.num_draft_tokens
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_once_a_prefill_was_measured_the_first_tree_leaves_before_the_prefill_answers(target, early):
+    """A new session's first Verify is sent while its Prefill is still on its way (the orchestrator has measured a
+    prefill, so it knows when this one will be done; the verifier runs the Verify right after it): its tokens come
+    back a round trip sooner. With early_verify off it waits for the Prefill's answer. The tokens are the target's
+    own either way, and the stream still starts with the session's id and prompt."""
+    from opentelemetry.trace import SpanKind
+
+    exporter = span_exporter()
+    config = OrchestratorConfig(trigger="fixed", fixed_tree_nodes=4, provisional_max=8, early_verify=early)
+    runs = generate_200_ms_away(target, config, runs=2)
+    spans = exporter.get_finished_spans()
+    exporter.shutdown()
+    for chunks in runs:
+        assert [t for c in chunks for t in c.token_ids] == hf_greedy(target.model, PROMPTS[0], 24)
+        assert chunks[0].session_id and list(chunks[0].prompt_token_ids) == PROMPTS[0]
+    generations = sorted((s for s in spans if s.name.startswith("specsplit.orchestrator.generate")),
+                         key=lambda s: s.start_time)
+    assert len(generations) == 2
+    second = [s for s in spans if s.context.trace_id == generations[1].context.trace_id]  # the second session
+    prefill = [s for s in second if s.name == "specsplit.orchestrator.prefill"]
+    verifies = [s for s in second if s.kind == SpanKind.CLIENT and s.name.endswith("/Verify")]
+    assert len(prefill) == 1 and verifies
+    first_verify = min(verifies, key=lambda s: s.start_time)
+    if early:  # sent while the Prefill travelled (100 ms each way), and answered, with no retry
+        assert first_verify.start_time < prefill[0].end_time - 100e6
+        assert all(s.attributes.get("rpc.grpc.status_code") == 0 for s in verifies)
+    else:
+        assert first_verify.start_time >= prefill[0].end_time
