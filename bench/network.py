@@ -65,6 +65,7 @@ WARMUP_PROMPT = "Describe a walk through a forest in autumn."  # --warmup-tokens
 sys.path.insert(0, str(ROOT))
 
 from network_report import TRIGGERS, parse_config, report  # noqa: E402
+from specsplit.config import OrchestratorConfig  # noqa: E402
 
 EDGE_NS, CLOUD_NS = "ss-edge", "ss-cloud"
 EDGE_IP, CLOUD_IP = "10.77.0.1", "10.77.0.2"
@@ -78,8 +79,6 @@ def all_configs(fixed_sizes: list[int]) -> list[str]:
 
 
 def orchestrator_config(name: str, provisional_max: int, draft_timeout_s: float):
-    from specsplit.config import OrchestratorConfig
-
     # A shared, overloaded CPU can make one draft forward take seconds: a longer draft timeout than the
     # service default keeps such stalls from turning into target-only rounds (counted as target_only_rounds).
     base, prov, burst = parse_config(name)
@@ -307,7 +306,8 @@ def parse_args(argv=None):
                              "trigger needs; 0 = cold, the first timed prompt pays that learning) (default 96)")
     parser.add_argument("--fixed-sizes", default="4,8,16", help="fixed tree sizes to compare (default 4,8,16)")
     parser.add_argument("--configs", default="", help="comma-separated subset of the configurations (default all)")
-    parser.add_argument("--provisional-max", type=int, default=16, help="provisional tokens per verification (default 16)")
+    parser.add_argument("--provisional-max", type=int, default=OrchestratorConfig.provisional_max,
+                        help="provisional tokens per verification (default %(default)s, the orchestrator's)")
     parser.add_argument("--grow-width", type=int, default=0,
                         help="the draft's --grow-width (default: specsplit serve's, 4; 1 for half)")
     parser.add_argument("--branch-threshold", type=float, default=0.3, help="the draft's --branch-threshold")

@@ -402,11 +402,11 @@ class Orchestrator(DraftMixin):
         alone in the same request (``orchestrator.burst``), sized by the round trips measured so far."""
         steps = 0 if len(tree) else session.burst.tokens(remaining) - 1
         if session.prefill is not None:  # a new session's first round, its prefill still running
-            reply = self._verify_first(session, tree, remaining, steps)
+            reply = self._verify_first(session, tree, remaining, steps)  # (its call time includes the prefill's)
         else:
             reply = self.placement.verify(session, tree, remaining, decode_steps=steps)
-        session.burst.observe(reply.timing.call_ms, reply.timing.verify_ms,
-                              len(reply.verdict.committed_token_ids), plain=not len(tree))
+            session.burst.observe(reply.timing.call_ms, reply.timing.verify_ms,
+                                  len(reply.verdict.committed_token_ids), plain=not len(tree))
         return reply.verdict, reply.timing
 
     def _verify_first(self, session: LiveSession, tree: TokenTree, remaining: int, steps: int):

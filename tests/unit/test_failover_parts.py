@@ -64,6 +64,16 @@ def test_restore_planner_measures_then_picks_the_faster():
     assert planner.counts == {"prefill": 2, "import": 11}
 
 
+def test_restore_planner_tells_when_a_prefill_will_be_done_in_the_verifier():
+    planner = RestorePlanner(min_tokens=32)
+    assert planner.expected_prefill_ms(8) == 0.0  # short: about as soon as it arrives
+    assert planner.expected_prefill_ms(100) is None  # long and nothing measured: cannot tell
+    planner.observe("prefill", 200, 700.0, verifier_ms=400.0)  # the call paid the network too
+    assert planner.expected_prefill_ms(100) == 200.0 and planner.prefill_ms_per_token == 3.5
+    planner.observe("import", 200, 100.0, verifier_ms=50.0)  # an import is no prefill
+    assert planner.verifier_prefill_ms_per_token == 2.0
+
+
 def test_idle_sweeper_releases_only_idle_sessions():
     released = []
     sweeper = IdleSweeper(released.append, idle_s=0.2, interval_s=3600)  # sweep by hand
