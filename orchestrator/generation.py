@@ -77,6 +77,10 @@ class Orchestrator(DraftMixin):
     def close(self) -> None:
         self.replicas.close()
 
+    def generating(self) -> int:
+        """Generations this process is running now (until each has settled its session)."""
+        return len(self._live)
+
     # -- setup ---------------------------------------------------------------------------------------
     @property
     def verifier_info(self) -> VerifierInfo:
@@ -304,9 +308,11 @@ class Orchestrator(DraftMixin):
                 session.failed = True
                 raise
             finally:
-                if self._live.get(session.id) is session:
-                    del self._live[session.id]
-                self._settle(session)
+                try:
+                    self._settle(session)
+                finally:
+                    if self._live.get(session.id) is session:  # (a resume elsewhere in this process may own the id now)
+                        del self._live[session.id]
                 span.set_attribute("gen_ai.usage.output_tokens", state.generated)
                 span.set_attribute("specsplit.rounds", state.rounds)
 
