@@ -28,8 +28,6 @@ another replica (after failover, an import or a re-prefill) continues with exact
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
 
 import torch
@@ -40,11 +38,12 @@ from specsplit.config import VerifierConfig
 from specsplit.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from specsplit.features import Features
 from specsplit.models import LoadedModel
-from specsplit.sampling import SamplingParams, accept_sampled, distribution, round_seed, session_generator
+from specsplit.sampling import SamplingParams, accept_sampled, distribution, round_seed
 from specsplit.tree import TokenTree
 from verifier_service import offload
 from verifier_service.batching import Row, cost_shares, group_overhead_for, pack_rows, prefill_row, verify_row
 from verifier_service.scheduler import Scheduler, Work
+from verifier_service.sessions import ADMISSION_GRACE_S, SessionTable
 from verifier_service.lean import packed_forward_for
 from verifier_service.slots import SlotStore
 from verifier_service.work import (BatchStats, ExportWork, ImportWork, PrefillResult, PrefillWork, ReleaseWork,
@@ -52,8 +51,6 @@ from verifier_service.work import (BatchStats, ExportWork, ImportWork, PrefillRe
 
 tracer = trace.get_tracer(__name__)
 
-# A Verify for a session not (yet) admitted waits this long for its Prefill, which may have been sent just before it.
-ADMISSION_GRACE_S = 0.05
 ACTIVE_WINDOW_S = 1.0  # a session answered longer ago than this is idle: no tick waits for it
 
 
@@ -74,9 +71,7 @@ class TargetEngine:
         self._packed_forward = packed_forward_for(self.model, self.config.lean_forward)
         self._store = SlotStore(self.config.max_sessions, self.config.kv_grow_tokens)
         self._group_overhead = group_overhead_for(self.device, self.config.attention_group_overhead)
-        self._sessions: dict[str, TargetSession] = {}
-        self._sessions_lock = threading.Condition()  # notified when a session is admitted
-        self._queued_prefill_tokens = 0
+        self._sessions = SessionTable(self.config.max_sessions, self.config.max_queued_prefill_tokens)
         cfg = self.config
         self._eos = frozenset(self.eos_token_ids)  # a decode burst stops after one of these
         self._scheduler = Scheduler(self._tick, cfg.max_batch, cfg.max_batch_tokens, cfg.batch_wait_ms / 1e3,
@@ -100,7 +95,7 @@ class TargetEngine:
         by their usual turnaround, back by then. One whose edge usually takes longer (a far network, a slow
         draft) is not waited for -- the model would idle for it -- and rides in a later tick instead."""
         recent = time.perf_counter() - ACTIVE_WINDOW_S
-        return {id(s) for s in list(self._sessions.values())
+        return {id(s) for s in self._sessions.all()
                 if s.answered_at > recent and s.answered_at + s.turnaround_s <= deadline}
 
     # -- the API (any thread) ------------------------------------------------------------------------
@@ -116,11 +111,11 @@ class TargetEngine:
         if medusa and self.medusa is None:
             raise FailedPrecondition("this verifier has no Medusa heads (start it with --medusa PATH)")
         to_cache = list(prompt_token_ids[:-1])
-        session = self._admit(session_id, prompt_token_ids, sampling, len(to_cache))
+        session = self._sessions.admit(session_id, prompt_token_ids, sampling, len(to_cache))  # its lock held
         session.return_features, session.medusa = return_features, medusa
         work = PrefillWork(session, min(len(to_cache), self.config.prefill_chunk), session=session, token_ids=to_cache)
         try:
-            with _held(session.lock), tracer.start_as_current_span("specsplit.verifier.prefill") as span:
+            with tracer.start_as_current_span("specsplit.verifier.prefill") as span:
                 span.set_attribute("gen_ai.usage.input_tokens", len(prompt_token_ids))
                 result: PrefillResult = self._scheduler.submit(work).result()
                 if result.features is not None:
@@ -129,6 +124,8 @@ class TargetEngine:
         except BaseException:
             self.release(session_id)
             raise
+        finally:
+            session.lock.release()
 
     def _check_new(self, session_id: str, token_ids: list[int]) -> None:
         if not session_id:
@@ -144,36 +141,8 @@ class TargetEngine:
         if bad:
             raise InvalidArgument(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
 
-    def _admit(self, session_id: str, token_ids: list[int], sampling: SamplingParams, to_cache: int) -> TargetSession:
-        """Register a new session (refused when the id is taken or the verifier is full), its lock held by the caller
-        from before anyone can see it: a Verify that arrives right behind the Prefill waits until its cache is built."""
-        with self._sessions_lock:
-            if session_id in self._sessions:
-                raise FailedPrecondition(f"session {session_id!r} already exists; Release it or use a new id")
-            if len(self._sessions) >= self.config.max_sessions:
-                raise ResourceExhausted(
-                    f"verifier holds {len(self._sessions)} sessions (max_sessions={self.config.max_sessions}); "
-                    "retry later or on another replica"
-                )
-            if to_cache and self._queued_prefill_tokens and \
-                    self._queued_prefill_tokens + to_cache > self.config.max_queued_prefill_tokens:
-                raise ResourceExhausted(
-                    f"verifier has {self._queued_prefill_tokens} prompt tokens waiting to be cached "
-                    f"(max_queued_prefill_tokens={self.config.max_queued_prefill_tokens}); retry later or on "
-                    "another replica"
-                )
-            session = TargetSession(list(token_ids), sampling, session_generator(sampling))
-            session.lock.acquire()
-            self._sessions[session_id] = session
-            self._sessions_lock.notify_all()
-            self._queued_prefill_tokens += to_cache
-        return session
-
     def session(self, session_id: str) -> TargetSession:
-        try:
-            return self._sessions[session_id]
-        except KeyError:
-            raise NotFound(f"unknown session {session_id!r}: it was never prefilled here, or was released") from None
+        return self._sessions.get(session_id)
 
     def verify(self, session_id: str, tree: TokenTree, expected_committed_length: int, max_commit: int = 0,
                decode_steps: int = 0) -> VerifyResult:
@@ -183,12 +152,8 @@ class TargetEngine:
         if not 0 <= decode_steps <= self.config.max_decode_steps:
             raise InvalidArgument(f"decode_steps={decode_steps}: this verifier decodes at most "
                                   f"{self.config.max_decode_steps} tokens alone per Verify (max_decode_steps)")
-        # A Verify sent right behind its session's Prefill (an orchestrator's early first tree) may be read a moment
-        # before that Prefill is: give it a moment to be admitted. Once admitted, the session's lock (the Prefill holds
-        # it until its cache is built) makes the Verify wait for it.
-        with self._sessions_lock:
-            self._sessions_lock.wait_for(lambda: session_id in self._sessions, timeout=ADMISSION_GRACE_S)
-        session = self.session(session_id)
+        # (sent right behind its session's Prefill, it may be read a moment before that Prefill: see sessions.py)
+        session = self._sessions.get(session_id, wait_s=ADMISSION_GRACE_S)
         with session.lock:
             if session.released:
                 raise NotFound(f"session {session_id!r} was released")
@@ -215,24 +180,14 @@ class TargetEngine:
             return result
 
     def release(self, session_id: str) -> bool:
-        with self._sessions_lock:
-            session = self._sessions.pop(session_id, None)
-            if session is None:
-                return False
-            session.released = True
-            # Queued under the lock: a Prefill admitted after this Release is queued after it, so the
-            # slot is free again by the time that Prefill needs one.
-            self._scheduler.submit(ReleaseWork(session, 0, session=session))
-        return True
+        # Queued under the table's lock: a Prefill admitted after this Release is queued after it, so the
+        # slot is free again by the time that Prefill needs one.
+        return self._sessions.release(session_id, lambda session: self._scheduler.submit(
+            ReleaseWork(session, 0, session=session)))
 
     def export_session(self, session_id: str, expected_committed_length: int, dtype: str = "") -> bytes:
         """The session's cached K/V (every committed token but the pending one) as bytes; it stays here."""
         target = offload.target_dtype(dtype)
-        # A Verify sent right behind its session's Prefill (an orchestrator's early first tree) may be read a moment
-        # before that Prefill is: give it a moment to be admitted. Once admitted, the session's lock (the Prefill holds
-        # it until its cache is built) makes the Verify wait for it.
-        with self._sessions_lock:
-            self._sessions_lock.wait_for(lambda: session_id in self._sessions, timeout=ADMISSION_GRACE_S)
         session = self.session(session_id)
         with session.lock:
             if session.released:
@@ -260,15 +215,17 @@ class TargetEngine:
         layers = offload.layers_from_bytes(blob, self._num_layers)
         if medusa and self.medusa is None:
             raise FailedPrecondition("this verifier has no Medusa heads (start it with --medusa PATH)")
-        session = self._admit(session_id, token_ids, sampling, 0)
+        session = self._sessions.admit(session_id, token_ids, sampling, 0)  # its lock held
         session.return_features, session.medusa = return_features, medusa
         try:
-            with _held(session.lock), tracer.start_as_current_span("specsplit.verifier.import") as span:
+            with tracer.start_as_current_span("specsplit.verifier.import") as span:
                 span.set_attribute("specsplit.committed_length", len(token_ids))
                 self._scheduler.submit(ImportWork(session, 0, session=session, layers=layers)).result()
         except BaseException:
             self.release(session_id)
             raise
+        finally:
+            session.lock.release()
         return session.committed_length, _ms_since(start)
 
     # -- the model thread ----------------------------------------------------------------------------
@@ -437,8 +394,7 @@ class TargetEngine:
 
     def _advance_prefill(self, work: PrefillWork, cached: int, continuing: list[Work]) -> None:
         work.done += cached
-        with self._sessions_lock:
-            self._queued_prefill_tokens -= cached
+        self._sessions.cached(cached)
         work.tokens = min(len(work.token_ids) - work.done, self.config.prefill_chunk)
         if work.tokens:
             continuing.append(work)
@@ -455,19 +411,9 @@ class TargetEngine:
 
     def _fail(self, work: Work, err: BaseException) -> None:
         if isinstance(work, PrefillWork):
-            with self._sessions_lock:
-                self._queued_prefill_tokens -= len(work.token_ids) - work.done
+            self._sessions.cached(len(work.token_ids) - work.done)
             work.done = len(work.token_ids)
         work.future.set_exception(err)
-
-
-@contextlib.contextmanager
-def _held(lock):
-    """A lock the caller already holds, released on leaving."""
-    try:
-        yield
-    finally:
-        lock.release()
 
 
 def _ms_since(start: float) -> float:
