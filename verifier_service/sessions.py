@@ -29,6 +29,9 @@ class SessionTable:
     def __len__(self) -> int:
         return len(self._sessions)
 
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
     def all(self) -> list[TargetSession]:
         return list(self._sessions.values())
 

@@ -102,17 +102,18 @@ def test_restart_redis_with_aof_and_resume(model_dir, services, tmp_path):
     redis = RedisServer(data_dir=str(tmp_path), appendonly=True).start()
     try:
         verifier = services.spawn("verifier", "--target-model", str(path))
+        # one token a round (a store write each) and 300 tokens: the generations are still running when Redis stops
         _, orch = services.start("orchestrator", "--verifiers", services.address(verifier), "--target-model", str(path),
-                                 "--redis-url", redis.url, "--store-retry-s", "0.5")
+                                 "--redis-url", redis.url, "--store-retry-s", "0.5", "--burst-max", "1")
         prompts = PROMPTS[:2]
-        gens = Generations(orch, prompts, 160, resume=True, reconnect_s=60)
+        gens = Generations(orch, prompts, 300, resume=True, reconnect_s=60)
         gens.wait_until_each_has(4)
         redis.stop()  # SIGTERM: the AOF is flushed; the orchestrator's writes now fail
         time.sleep(1.5)  # longer than --store-retry-s: the streams break, the SDK keeps trying to resume
         redis.start()  # same port and directory: the sessions come back from the AOF
         results = gens.join()
         for i, prompt in enumerate(prompts):
-            assert results[i] == hf_greedy(loaded.model, prompt, 160), i
+            assert results[i] == hf_greedy(loaded.model, prompt, 300), i
             assert gens.streams[i].reconnects >= 1
     finally:
         redis.stop()
