@@ -91,7 +91,9 @@ class OrchestratorConfig:
     # 0.94-1.04x, 1.06-1.13x, 1.18-1.56x, 1.26-1.99x at RTT 0/20/50/100 once those decode bursts (five runs,
     # bench/results/network_burst.md). With the half draft on an AVX-512 CPU, warmed up: 0.95-1.00x of the best
     # fixed size with provisional drafting at RTT 0-100 (every pipelined config runs at the draft's pace), and
-    # goodput+0 1.12-1.25x of the best fixed size without it (bench/results/network_half_avx512/).
+    # goodput+0 1.12-1.25x of the best fixed size without it (bench/results/network_half_avx512/). With the int4 half
+    # draft on a Zen 5 EPYC (8.7 ms a step): 0.97-1.18x of the best fixed size, below it in 1 of 39 RTT comparisons
+    # (bench/results/network_half_zen5_int4/).
     trigger: str = "goodput"  # goodput | edgellm | fixed | budget
     fixed_tree_nodes: int = 4  # trigger "fixed": verify at this many nodes
     tree_max_nodes: int = 48  # node budget of a streamed tree (any trigger)
