@@ -155,8 +155,7 @@ class Orchestrator(DraftMixin):
             if session.opened is not None and self.config.early_verify and not session.wants_features:
                 session.prefill = self.placement.start_prefill(session)  # the first round sends its tree early
             if session.prefill is None:
-                with tracer.start_as_current_span("specsplit.orchestrator.prefill"):
-                    self.placement.restore(session, fresh=True)
+                self.placement.prefill(session)
                 self._commit(session)  # the store now names the replica holding the cache
         except BaseException:
             self._abandon(session)

@@ -180,8 +180,13 @@ class KvPlacement:
         else:
             self.restore(session)
 
+    def prefill(self, session) -> None:
+        """A new session's cache: its prompt prefilled on the least loaded healthy replica."""
+        with tracer.start_as_current_span("specsplit.orchestrator.prefill"):
+            self.restore(session, fresh=True)
+
     def start_prefill(self, session) -> PrefillInFlight | None:
-        """A new session's ``restore`` in a thread of its own; None (nothing started) for a prompt whose prefill time
+        """``prefill`` in a thread of its own; None (nothing started) for a prompt whose prefill time
         cannot be told yet (``RestorePlanner.expected_prefill_ms``): the first tree's send time comes from it."""
         expected_ms = self.planner.expected_prefill_ms(len(session.token_ids))
         if expected_ms is None:
@@ -192,8 +197,7 @@ class KvPlacement:
         def run():
             token = context.attach(parent)
             try:
-                with tracer.start_as_current_span("specsplit.orchestrator.prefill"):
-                    self.restore(session, fresh=True)
+                self.prefill(session)
                 inflight.future.set_result(None)
             except BaseException as err:  # noqa: BLE001 - the session's own thread raises it
                 inflight.future.set_exception(err)
