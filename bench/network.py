@@ -315,11 +315,12 @@ def parse_args(argv=None):
                         help="orchestrator's draft timeout, s (default 10; the service default 2 is tight on a busy CPU)")
     parser.add_argument("--target-model", default=None, help="target (default SmolLM2-135M-Instruct)")
     parser.add_argument("--draft-model", default=None, help="draft model dir (default: the target's own cache dir)")
-    parser.add_argument("--drafter", choices=["model", "half", "eagle"], default="model", help="the streamed draft: "
-                        "model (--draft-model), half (the target at --draft-dtype) or eagle (the feature drafter; the "
-                        "verifier sends it the target's features)")
+    parser.add_argument("--drafter", choices=["model", "half", "half+ngram", "eagle"], default="model",
+                        help="the streamed draft: model (--draft-model), half (the target at --draft-dtype), half+ngram "
+                        "(half, copying prompt-lookup spans: what --draft auto picks for SmolLM2) or eagle (the feature "
+                        "drafter; the verifier sends it the target's features)")
     parser.add_argument("--draft-artifact", default=None, help="eagle artifact dir (default: the shipped one)")
-    parser.add_argument("--draft-dtype", default="", help="half: the draft's step dtype (float16, bfloat16, float32, "
+    parser.add_argument("--draft-dtype", default="", help="half, half+ngram: the draft's step dtype (float16, bfloat16, float32, "
                         "int8; default: the fastest timed at start)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     parser.add_argument("--edge-cpus", default="0", help="taskset CPUs of the edge host: draft, orchestrator, client "
@@ -381,6 +382,7 @@ def main(argv=None) -> int:
             verifiers[str(rtt)] = f"{hosts.cloud_ip}:{port}"
         half_dtype = ["--draft-dtype", args.draft_dtype] if args.draft_dtype else []
         drafter = {"model": ["--draft", "model", "--draft-model", draft_model], "half": ["--draft", "half", *model_args, *half_dtype],
+                   "half+ngram": ["--draft", "half+ngram", *model_args, *half_dtype],
                    "eagle": ["--draft", "eagle", *model_args] + (["--draft-artifact", args.draft_artifact]
                                                                  if args.draft_artifact else [])}[args.drafter]
         width = ["--grow-width", str(args.grow_width)] if args.grow_width else []  # default: the service's
@@ -407,7 +409,7 @@ def main(argv=None) -> int:
         r["network"] = network
         r["draft_growth"] = {"grow_width": args.grow_width, "branch_threshold": args.branch_threshold}
         r["drafter"] = f"model:{draft_model}" if args.drafter == "model" else args.drafter
-        if args.drafter == "half":
+        if args.drafter.startswith("half"):
             r["draft_dtype"] = args.draft_dtype or "auto"
     done = {(r["rtt_ms"], r["config"]) for r in rows}
     data["rows"] = [r for r in data["rows"] if (r["rtt_ms"], r["config"]) not in done] + rows
