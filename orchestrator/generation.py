@@ -75,11 +75,12 @@ class Orchestrator(DraftMixin):
         self._learned: dict[object, object] = {}
 
     def close(self) -> None:
+        self.placement.close()  # Release calls still out go first
         self.replicas.close()
 
     def generating(self) -> int:
-        """Generations this process is running now (until each has settled its session)."""
-        return len(self._live)
+        """Generations this process is running now (until each has settled its session, its verifier caches freed)."""
+        return len(self._live) + self.placement.releasing()
 
     # -- setup ---------------------------------------------------------------------------------------
     @property
@@ -226,7 +227,7 @@ class Orchestrator(DraftMixin):
                 self.placement.forget(session)  # the cache stays on its replica for the resume
             state.status = DETACHED
         else:
-            self.placement.release(session)
+            self.placement.release(session, wait=False)  # the stream ends without waiting a round trip for it
             self.store.drop_kv(session.id)
             state.kv_length = 0
             if state.status not in TERMINAL:

@@ -99,6 +99,8 @@ class KvPlacement:
         self.store = store
         self.config = config
         self.planner = RestorePlanner()
+        self._releasing: set[threading.Thread] = set()  # Release calls still out (``release(wait=False)``)
+        self._lock = threading.Lock()
 
     # -- getting a cache onto a replica -------------------------------------------------------------
     def restore(self, session, prefer: Replica | None = None, fresh: bool = False) -> None:
@@ -192,19 +194,15 @@ class KvPlacement:
         if expected_ms is None:
             return None
         inflight = PrefillInFlight(Future(), time.perf_counter() + expected_ms / 1e3)
-        parent = context.get_current()  # the generate span: the prefill's span stays in its trace
 
         def run():
-            token = context.attach(parent)
             try:
                 self.prefill(session)
                 inflight.future.set_result(None)
             except BaseException as err:  # noqa: BLE001 - the session's own thread raises it
                 inflight.future.set_exception(err)
-            finally:
-                context.detach(token)
 
-        threading.Thread(target=run, name=f"specsplit-prefill-{session.id}", daemon=True).start()
+        _traced_thread(run, f"specsplit-prefill-{session.id}")
         return inflight
 
     def send_early(self, session, tree, max_commit: int, decode_steps: int = 0):
@@ -277,17 +275,46 @@ class KvPlacement:
         self.release(session)
         return True
 
-    def release(self, session) -> None:
-        """Free the session's cache on every replica that may hold one."""
-        for address in sorted(session.used):
-            replica = self.replicas.by_address(address)
-            if replica is not None:
-                self._release_on(replica, session.id)
+    def release(self, session, wait: bool = True) -> None:
+        """Free the session's cache on every replica that may hold one. wait=False: the Release calls go out on a
+        thread of their own (in the caller's trace), so a finished generation's stream ends without waiting a round
+        trip to the verifier for them (``releasing`` counts them until they are answered)."""
+        replicas = [r for r in map(self.replicas.by_address, sorted(session.used)) if r is not None]
         if session.replica is not None:
             self.replicas.placed(session.replica, -1)
         session.used.clear()
         session.replica = None
         session.state.verifier, session.state.verifier_length = "", 0
+        if wait:
+            for replica in replicas:
+                self._release_on(replica, session.id)
+            return
+
+        def run():
+            try:
+                for replica in replicas:
+                    self._release_on(replica, session.id)
+            finally:
+                with self._lock:
+                    self._releasing.discard(threading.current_thread())
+
+        thread = _traced_thread(run, f"specsplit-release-{session.id}", start=False)
+        with self._lock:  # counted before it runs (a quick one must not be discarded before it is added)
+            self._releasing.add(thread)
+        thread.start()
+
+    def releasing(self) -> int:
+        """Release calls ``release(wait=False)`` sent that are not answered yet."""
+        with self._lock:
+            return len(self._releasing)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Wait (up to ``timeout_s`` in all) for the Release calls still out, before the replicas' channels close."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            threads = list(self._releasing)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def forget(self, session) -> None:
         """The session leaves this orchestrator; its cache (if any) stays where it is."""
@@ -307,3 +334,21 @@ class KvPlacement:
             replica.client.release(session_id, timeout=self.config.draft_timeout_s)
         except RpcError as err:
             log.warning("release of %s on %s failed: %s", session_id, replica.address, err.code())
+
+
+def _traced_thread(target, name: str, start: bool = True) -> threading.Thread:
+    """A daemon thread that runs ``target`` in the caller's trace context (the generate span: the spans it makes stay
+    in the generation's trace)."""
+    parent = context.get_current()
+
+    def run():
+        token = context.attach(parent)
+        try:
+            target()
+        finally:
+            context.detach(token)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    if start:
+        thread.start()
+    return thread

@@ -8,6 +8,7 @@ and concurrency tests check the verifier's CUDA paths: e.g.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -138,3 +139,12 @@ def span_exporter():
     exporter = InMemorySpanExporter()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     return exporter
+
+
+def wait_for(predicate, timeout: float = 5.0) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` s pass; its last value (for work that finishes in the
+    background: a Release call, a sweep)."""
+    deadline = time.time() + timeout
+    while not predicate() and time.time() < deadline:
+        time.sleep(0.02)
+    return predicate()

@@ -10,7 +10,7 @@ import time
 from redis_server import RedisServer
 from specsplit.client import Client
 from specsplit.rpc import RemoteVerifier
-from tiny import hf_greedy
+from tiny import hf_greedy, wait_for
 
 PROMPTS = [[258, *range(1 + 3 * i, 14 + 3 * i)] + [1 + 3 * i, 2 + 3 * i] for i in range(16)]
 
@@ -76,7 +76,7 @@ def test_kill9_a_verifier_replica_while_16_sessions_generate(model_dir, services
     assert sum(len(results[i]) > at_kill[i] for i in results) >= 12  # and most were still generating
     for i, prompt in enumerate(PROMPTS):
         assert results[i] == hf_greedy(loaded.model, prompt, 160), i
-    assert RemoteVerifier(addresses[1 - doomed]).info(timeout=5).num_sessions == 0  # all released
+    assert wait_for(lambda: RemoteVerifier(addresses[1 - doomed]).info(timeout=5).num_sessions == 0)  # all released
 
 
 def test_kill9_the_orchestrator_and_resume_through_the_sdk(model_dir, services, redis_server):

@@ -13,7 +13,7 @@ from specsplit.client import Client
 from specsplit.config import DraftConfig, VerifierConfig
 from specsplit.launch import start_stack
 from specsplit.rpc import RemoteVerifier
-from tiny import hf_greedy, tiny_loaded
+from tiny import hf_greedy, tiny_loaded, wait_for
 
 SESSIONS = 32
 
@@ -59,9 +59,7 @@ def test_32_concurrent_sessions_each_get_their_hf_greedy_tokens(target):
         for t in threads:
             t.join(timeout=600)
         engine = stack.verifier_engine
-        deadline = time.time() + 10
-        while engine.num_sessions() and time.time() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: engine.num_sessions() == 0, timeout=10)
         assert not errors, errors[:3]
         for i in range(SESSIONS):
             assert got.get(i) == expected[i], f"session {i}: prompt of {len(requests[i]['prompt_token_ids'])} tokens"

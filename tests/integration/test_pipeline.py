@@ -15,7 +15,7 @@ from orchestrator.trigger import make_trigger
 from specsplit.client import AsyncClient, Client
 from specsplit.config import DraftConfig, OrchestratorConfig
 from specsplit.launch import start_stack
-from tiny import hf_greedy, tiny_loaded
+from tiny import hf_greedy, tiny_loaded, wait_for
 
 PROMPT = [258, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4]
 
@@ -59,10 +59,7 @@ def test_client_cancel_releases_sessions(target):
                 if len(got) == 3:
                     stream.cancel()
         assert info.value.code() == grpc.StatusCode.CANCELLED
-        deadline = time.time() + 5
-        while stack.verifier_engine.num_sessions() and time.time() < deadline:
-            time.sleep(0.05)
-        assert stack.verifier_engine.num_sessions() == 0
+        assert wait_for(lambda: stack.verifier_engine.num_sessions() == 0)
         assert stack.draft_sessions() == 0
 
 

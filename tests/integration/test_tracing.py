@@ -67,3 +67,43 @@ def test_feature_bytes_are_span_attributes(target):
                 if s.name in ("specsplit.draft.propose", "specsplit.draft.grow")  # whole or streamed trees
                 and "specsplit.feature_bytes" in s.attributes]
     assert received and sum(received) <= total  # the draft got them (the last round's are never forwarded)
+
+
+def test_a_finished_generation_does_not_wait_for_the_release_of_its_cache(target):
+    """A finished session's cache is freed by a Release call the end of its stream does not wait for: with the verifier
+    200 ms away (the benchmark's delaying TCP relay), the Release, still in the generation's trace, ends after the
+    Generate span, and it does free the cache (a round trip less per generation, nothing left behind)."""
+    import pathlib
+    import sys
+
+    from tiny import hf_greedy, span_exporter, wait_for
+
+    from specsplit.launch import start_draft, start_orchestrator, start_verifier
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
+    from relay import DelayRelay
+
+    exporter = span_exporter()
+    verifier = start_verifier(target)
+    draft = start_draft(NgramProposer(DraftConfig()))
+    try:
+        with DelayRelay("127.0.0.1:0", verifier.address, rtt_ms=200) as relay:
+            orchestrator = start_orchestrator(relay.address, [draft.address], target.tokenizer)
+            try:
+                chunks = list(Client(orchestrator.address).generate(prompt_token_ids=PROMPT, max_new_tokens=12))
+                assert wait_for(lambda: orchestrator.core.generating() == 0 and verifier.core.num_sessions() == 0)
+            finally:
+                orchestrator.stop(0)
+                orchestrator.core.close()
+    finally:
+        draft.stop(0)
+        verifier.stop(0)
+        verifier.core.close()
+    assert [t for c in chunks for t in c.token_ids] == hf_greedy(target.model, PROMPT, 12)
+    spans = exporter.get_finished_spans()
+    exporter.shutdown()
+    (gen,) = [s for s in spans if s.name.startswith("specsplit.orchestrator.generate")]
+    (release,) = [s for s in spans if s.name == "specsplit.v1.VerifierService/Release" and s.kind == trace.SpanKind.CLIENT]
+    assert release.context.trace_id == gen.context.trace_id and release.parent.span_id == gen.context.span_id
+    assert release.end_time - release.start_time >= 200e6  # ns: it paid the round trip
+    assert release.end_time > gen.end_time  # after the generation had ended
