@@ -110,13 +110,24 @@ class GrowthRound:
         self.forward, self.forget, self.vocab_ids, self.lookup = forward, forget, vocab_ids, lookup
         self.tree = GrowingTree()
         self.leaf = -1
-        self._top, self._prob = -1, 0.0  # the model's next token at the last leaf _agreed_copy looked at, its prob
+        self._top, self._prob = -1, 0.0  # the model's next token at the last leaf _copy looked at, its prob
         self._last_rows: dict[int, torch.Tensor] = {}  # node -> next-token logits [V'], from the latest forward
 
     def _logits(self, nodes: list[int]) -> torch.Tensor:
-        logits = self.forward(self.tree, nodes)  # [F, V']
-        self._last_rows = dict(zip(nodes, logits))
-        return logits
+        """Next-token logits of ``nodes`` ([F, V']): one draft forward over those the latest call did not already run
+        (a copied span's last node, whose row the span's forward gave)."""
+        rows = {n: self._last_rows[n] for n in nodes if n in self._last_rows}
+        missing = [n for n in nodes if n not in rows]
+        if missing:
+            rows.update(zip(missing, self.forward(self.tree, missing)))
+        self._last_rows = rows
+        return torch.stack([rows[n] for n in nodes])
+
+    def _truncate(self, n: int) -> None:
+        """Drop nodes from index n on: from the tree, the draft's rows (``forget``) and the rows kept here."""
+        self.tree.truncate(n)
+        self.forget(n)
+        self._last_rows = {node: row for node, row in self._last_rows.items() if node < n}
 
     def _token(self, index: int) -> int:
         return index if self.vocab_ids is None else int(self.vocab_ids[index])
@@ -141,11 +152,10 @@ class GrowthRound:
             yield GrowthStep(0, tuple(tree.token_ids), tuple(tree.parents), tuple(tree.draft_probs),
                              seeded=len(seed), draft_ms=(time.perf_counter() - start) * 1e3)
         frontier = len(seed) - 1
-        copied = [] if seed else self._agreed_copy(-1, max_nodes)
-        if copied:  # a copied span first (a code edit's unchanged lines): one step, no draft forward yet
-            for i, token in enumerate(copied):
-                frontier = tree.add(frontier, token, self._prob if i == 0 else LOOKUP_PROB)
-            yield GrowthStep(0, tuple(copied), tuple(tree.parents), tuple(tree.draft_probs),
+        copied = [] if seed else self._copy(-1, max_nodes)  # [C] node ids
+        if copied:  # a copied span first (a code edit's unchanged lines): one step, one forward over the span
+            frontier = copied[-1]
+            yield GrowthStep(0, tuple(tree.token_ids), tuple(tree.parents), tuple(tree.draft_probs),
                              draft_ms=(time.perf_counter() - start) * 1e3)
             start = time.perf_counter()
         finished = True
@@ -165,8 +175,7 @@ class GrowthRound:
         # first provisional tokens, already drafted: seeds past a verified prefix (a pipelined round), or what
         # growth made while nobody read it (a first round opened before the verifier's prefill).
         ahead = chain_below(tree, leaf, num_verified) if num_verified > 0 else []  # [A] node ids
-        tree.truncate(num_verified + len(ahead))
-        self.forget(num_verified + len(ahead))
+        self._truncate(num_verified + len(ahead))
         for node in ahead if provisional_max and not control.closed else []:
             leaf = self.leaf = node
             yield GrowthStep(node, (tree.token_ids[node],), (tree.parents[node],), (tree.draft_probs[node],),
@@ -175,28 +184,48 @@ class GrowthRound:
         while drafted < provisional_max and leaf >= 0 and not control.closed:
             start, ran = time.perf_counter(), leaf not in self._last_rows  # a step with no forward reports 0 ms
             row = self._last_rows[leaf] if leaf in self._last_rows else self._logits([leaf])[0]  # [V']
-            # A copied span (prompt lookup) whose first token the model drafts too: sent at once, then one
-            # forward over all of it before drafting on. The model's agreement screens out chance matches.
-            copied = self._agreed_copy(leaf, provisional_max - drafted, row) or [self._top]
             first = len(tree)
-            for i, t in enumerate(copied):
-                leaf = self.leaf = tree.add(leaf, t, self._prob if i == 0 else LOOKUP_PROB)
-            drafted += len(copied)
-            yield GrowthStep(first, tuple(copied), tuple(tree.parents[first:]), tuple(tree.draft_probs[first:]),
-                             provisional=True, draft_ms=(time.perf_counter() - start) * 1e3 if ran else 0.0)
-            if len(copied) > 1:
-                self._logits(list(range(first, len(tree))))
+            copied = self._copy(leaf, provisional_max - drafted, row)  # [C] node ids: a vetted prompt-lookup span
+            nodes = copied or [tree.add(leaf, self._top, self._prob)]
+            leaf = self.leaf = nodes[-1]
+            drafted += len(nodes)
+            yield GrowthStep(first, tuple(tree.token_ids[first:]), tuple(tree.parents[first:]),
+                             tuple(tree.draft_probs[first:]), provisional=True,
+                             draft_ms=(time.perf_counter() - start) * 1e3 if ran or copied else 0.0)
 
-    def _agreed_copy(self, leaf: int, limit: int, row: torch.Tensor | None = None) -> list[int]:
-        """The lookup's continuation after ``leaf`` (-1: the root), at most ``limit`` tokens, if it is longer than
-        one token and its first token is the model's own next token there; else []. Either way the model's
-        next token and its probability are left in ``_top``/``_prob``. row: the leaf's next-token logits [V']
-        when already known; the lookup runs first, so the root's are only asked for when a span was found."""
+    def _copy(self, leaf: int, limit: int, row: torch.Tensor | None = None) -> list[int]:
+        """Prompt lookup's continuation after ``leaf`` (-1: the root), at most ``limit`` tokens, as far as the model
+        drafts it too: the span is tried only if it is longer than one token and its first token is the model's own
+        next token there; then one forward over all of it keeps the prefix along which the model's next token is each
+        time the span's next one. Returns the kept nodes (added under ``leaf``, their probabilities the model's), or []
+        (nothing added). Either way the model's next token after ``leaf`` and its probability are left in
+        ``_top``/``_prob``. row: the leaf's next-token logits [V'] when already known; the lookup runs first, so the
+        root's are only asked for when a span was found.
+
+        (Without the second check, a span the model agreed with only at its first token went out whole: on chat, a
+        chance match then was the start of most of a pipelined tree of 25-31 nodes with 1-7 accepted, each a round trip
+        lost across a network; bench/results/network_half_avx512_final/ngram_before.)"""
         path = [self.tree.token_ids[n] for n in self.tree.path_to(leaf)] if leaf >= 0 else []
-        copied = self.lookup(path)[:limit] if self.lookup is not None else []
-        if row is None and len(copied) < 2:
+        span = self.lookup(path)[:limit] if self.lookup is not None else []  # [S]
+        if row is None and len(span) < 2:
             return []
         row = row if row is not None else self._logits([leaf])[0]  # [V']
         prob, index = row.softmax(dim=-1).max(dim=-1)
         self._top, self._prob = self._token(int(index)), float(prob)
-        return copied if len(copied) > 1 and copied[0] == self._top else []
+        if len(span) < 2 or span[0] != self._top:
+            return []
+        first, parent = len(self.tree), leaf
+        for token in span:
+            parent = self.tree.add(parent, token, LOOKUP_PROB)
+        probs = self._logits(list(range(first, len(self.tree)))).softmax(dim=-1)  # [S, V'] row i: after span[i]
+        best, indices = probs.max(dim=-1)  # [S] each
+        agreed = [self._prob]  # [K] the model's probability of each kept span token
+        for i in range(1, len(span)):
+            if self._token(int(indices[i - 1])) != span[i]:
+                break
+            agreed.append(float(best[i - 1]))
+        kept = list(range(first, first + len(agreed)))  # [K] node ids
+        self._truncate(first + len(agreed))
+        for node, p in zip(kept, agreed):  # root down: each node's confidence from its parent's, already set
+            self.tree.set_prob(node, p)
+        return kept

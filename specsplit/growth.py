@@ -51,6 +51,13 @@ class GrowingTree:
         self.confidence.append(base * prob)
         return len(self.token_ids) - 1
 
+    def set_prob(self, node: int, prob: float) -> None:
+        """``node``'s draft probability, known only now (a copied token the draft then scored); its confidence is
+        recomputed from its parent's (so a chain's nodes are set root down)."""
+        parent = self.parents[node]
+        self.draft_probs[node] = prob
+        self.confidence[node] = (1.0 if parent < 0 else self.confidence[parent]) * prob
+
     def truncate(self, n: int) -> None:
         """Drop nodes from index n on (nodes streamed after the ones sent for verification)."""
         for values in (self.token_ids, self.parents, self.draft_probs, self.confidence):

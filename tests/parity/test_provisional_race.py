@@ -9,6 +9,7 @@ from draft_service.drafter import GrowthControl
 from draft_service.proposers import ModelProposer
 from specsplit import kvcache
 from specsplit.config import DraftConfig
+from specsplit.lookup import LOOKUP_PROB
 from tiny import hf_greedy, tiny_loaded
 
 PROMPT = [258, 72, 101, 108, 108, 111]
@@ -191,16 +192,17 @@ def copied_round(proposer, session_id, span, after, provisional_max):
 
 
 def test_copied_span_is_sent_at_once_then_the_model_drafts_on(model):
-    """half+ngram: a prompt-lookup span whose first token the model drafts too is sent in one step, then one
-    forward runs over the span and drafting goes on from its end with the right KV behind it; a span the
-    model disagrees with is not copied."""
+    """half+ngram: a prompt-lookup span whose first token the model drafts too is scored in one forward and sent in
+    one step, and drafting goes on from its end with the right KV behind it; a span the model disagrees with is not
+    copied."""
     greedy = hf_greedy(model.model, PROMPT, 24)
     proposer = ModelProposer(model, DraftConfig(branch_threshold=1.0), copies=True)
     provisional = copied_round(proposer, "s", greedy[2:7], greedy[:2], 9)  # the target's own next 5 tokens
     assert [len(s.token_ids) for s in provisional] == [5, 1, 1, 1, 1]
     assert tokens_of(provisional) == greedy[2:11]  # the model continues HF greedy after the copied span
     # the token after the span came from the forward over the span: no forward of its own, so no time reported
-    assert provisional[1].draft_ms == 0 and all(s.draft_ms > 0 for s in provisional[2:])
+    assert provisional[0].draft_ms > 0 and provisional[1].draft_ms == 0 and all(s.draft_ms > 0 for s in provisional[2:])
+    assert LOOKUP_PROB not in provisional[0].draft_probs  # the model's own probabilities of the span's tokens
     assert proposer._sessions["s"].path_tokens == greedy[:11]
 
     wrong = [(greedy[2] + 1) % 300, *greedy[3:7]]  # a chance match: its first token is not the model's
@@ -210,8 +212,8 @@ def test_copied_span_is_sent_at_once_then_the_model_drafts_on(model):
 
 def test_copied_span_starts_the_tree_when_the_model_agrees(model):
     """half+ngram, growth: a lookup span after the committed tokens whose first token the model drafts too is
-    the tree's first step (no draft forward for it); the model grows on from its end (one forward over the span
-    and its leaf's children), and the tree stays the target's greedy continuation. A disagreeing span is not used."""
+    the tree's first step (one forward over the span scores it, and gives its leaf's children); the model grows
+    on from its end, and the tree stays the target's greedy continuation. A disagreeing span is not used."""
     greedy = hf_greedy(model.model, PROMPT, 24)
     proposer = ModelProposer(model, DraftConfig(branch_threshold=1.0), copies=True)
 
@@ -233,7 +235,22 @@ def test_copied_span_starts_the_tree_when_the_model_agrees(model):
     steps, forwards = grown("g", greedy[:5])
     assert steps[0].first == 0 and steps[0].token_ids == tuple(greedy[:5]) and steps[0].parents == (-1, 0, 1, 2, 3)
     assert tokens_of(steps) == greedy[:8]
-    assert forwards[0] == [0, 1, 2, 3, 4]  # the span's nodes: one forward, after the span was sent
+    assert forwards[0] == [0, 1, 2, 3, 4]  # the span's nodes: one forward, before the span was sent
+    assert [0, 1, 2, 3, 4] not in forwards[1:] and [4] not in forwards  # its leaf's row came from that forward
 
     steps, _ = grown("w", [(greedy[0] + 1) % 300, *greedy[1:5]])
     assert len(steps[0].token_ids) == 1 and tokens_of(steps) == greedy[:8]
+
+
+def test_only_the_part_of_a_span_the_model_drafts_too_is_sent(model):
+    """half+ngram: a lookup span whose first tokens the model drafts too but which then leaves its greedy path (a
+    chance match on chat) goes out only up to there, so it cannot make the verifier reject what the model itself
+    would have drafted right; the model drafts on from the last kept token, its KV intact (the target's greedy
+    continuation throughout)."""
+    greedy = hf_greedy(model.model, PROMPT, 24)
+    proposer = ModelProposer(model, DraftConfig(branch_threshold=1.0), copies=True)
+    span = [*greedy[2:5], (greedy[5] + 1) % 300, *greedy[6:9]]  # right for 3 tokens, then off
+    provisional = copied_round(proposer, "p", span, greedy[:2], 8)
+    assert [len(s.token_ids) for s in provisional] == [3, 1, 1, 1, 1, 1]
+    assert tokens_of(provisional) == greedy[2:10]
+    assert proposer._sessions["p"].path_tokens == greedy[:10]
