@@ -148,3 +148,15 @@ def wait_for(predicate, timeout: float = 5.0) -> bool:
     while not predicate() and time.time() < deadline:
         time.sleep(0.02)
     return predicate()
+
+
+def delay_relay(upstream: str, rtt_ms: float):
+    """The benchmark's delaying TCP relay (``bench/relay.py``) on a free loopback port in front of ``upstream``:
+    every call through it pays a true TCP round trip of ``rtt_ms``. A context manager; ``.address`` to dial."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+    from relay import DelayRelay
+
+    return DelayRelay("127.0.0.1:0", upstream, rtt_ms=rtt_ms)

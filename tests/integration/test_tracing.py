@@ -73,21 +73,15 @@ def test_a_finished_generation_does_not_wait_for_the_release_of_its_cache(target
     """A finished session's cache is freed by a Release call the end of its stream does not wait for: with the verifier
     200 ms away (the benchmark's delaying TCP relay), the Release, still in the generation's trace, ends after the
     Generate span, and it does free the cache (a round trip less per generation, nothing left behind)."""
-    import pathlib
-    import sys
-
-    from tiny import hf_greedy, span_exporter, wait_for
+    from tiny import delay_relay, hf_greedy, span_exporter, wait_for
 
     from specsplit.launch import start_draft, start_orchestrator, start_verifier
-
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
-    from relay import DelayRelay
 
     exporter = span_exporter()
     verifier = start_verifier(target)
     draft = start_draft(NgramProposer(DraftConfig()))
     try:
-        with DelayRelay("127.0.0.1:0", verifier.address, rtt_ms=200) as relay:
+        with delay_relay(verifier.address, 200) as relay:
             orchestrator = start_orchestrator(relay.address, [draft.address], target.tokenizer)
             try:
                 chunks = list(Client(orchestrator.address).generate(prompt_token_ids=PROMPT, max_new_tokens=12))

@@ -12,7 +12,7 @@ from draft_service.proposers import ModelProposer
 from specsplit.client import Client
 from specsplit.config import DraftConfig, OrchestratorConfig
 from specsplit.launch import start_stack
-from tiny import hf_greedy, span_exporter, tiny_loaded
+from tiny import delay_relay, hf_greedy, span_exporter, tiny_loaded
 
 PROMPTS = [
     [258, 72, 101, 108, 108, 111],
@@ -96,18 +96,12 @@ def generate_200_ms_away(target, config: OrchestratorConfig, runs: int = 1) -> l
     """Chunks of a 24-token generation of PROMPTS[0] with the verifier behind the benchmark's delaying TCP relay
     (200 ms round trip) and the target itself as the draft (chains), each service in its own server; with ``runs``
     > 1, a list of such chunk lists, the generations one after another through one orchestrator."""
-    import pathlib
-    import sys
-
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
-    from relay import DelayRelay
-
     from specsplit.launch import start_draft, start_orchestrator, start_verifier
 
     verifier = start_verifier(target)
     draft = start_draft(ModelProposer(tiny_loaded(seed=0, layers=2), DraftConfig(grow_width=1)))
     try:
-        with DelayRelay("127.0.0.1:0", verifier.address, rtt_ms=200) as relay:
+        with delay_relay(verifier.address, 200) as relay:
             orchestrator = start_orchestrator(relay.address, [draft.address], target.tokenizer, config=config)
             try:
                 done = [list(Client(orchestrator.address).generate(prompt_token_ids=PROMPTS[0], max_new_tokens=24))
