@@ -85,10 +85,13 @@ def test_half_draft_in_its_own_process_matches_hf_greedy(target, drafter, kind, 
     drafted = [c.stats for c in chunks if c.stats and c.stats.num_draft_tokens]
     assert drafted
     if drafter == "half":  # at any calibrated dtype (float16, int8, int4, ...) it almost always drafts the target's greedy
-        # token: most committed tokens are accepted draft tokens, the rest one bonus token a round. (Counted against the
-        # drafted nodes instead, the share depends on how far the trigger let trees grow past a wrong token, a matter
-        # of timing: with int4, 39 accepted of 44-50 nodes over repeated runs.)
-        assert sum(s.num_accepted for s in drafted) >= 0.7 * len(tokens)
+        # token. Counted per token on the accepted path: a round's accepted tokens each agreed, and a round that stopped
+        # short of its tree's depth had (at most) one token the target rejected. Not against the committed tokens or the
+        # drafted nodes: how deep trees grow before the trigger sends them is a matter of this machine's timing (CI once
+        # ran 13 rounds of 1-5 nodes, all but one fully accepted: 33 accepted of 48 committed).
+        accepted = sum(s.num_accepted for s in drafted)
+        rejected = sum(s.num_accepted < s.tree_depth for s in drafted)
+        assert accepted >= 0.8 * (accepted + rejected), [(s.num_accepted, s.tree_depth) for s in drafted]
     else:  # a rename copies long spans of the prompt
         assert max(s.tree_depth for s in drafted) >= 8
 
