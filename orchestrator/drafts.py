@@ -20,7 +20,7 @@ from orchestrator.session import LiveSession
 from orchestrator.trigger import RoundOutcome, make_trigger, tree_confidence
 from specsplit.errors import FailedPrecondition, InvalidArgument
 from specsplit.growth import GrowingTree, best_leaf
-from specsplit.lookup import COPY_BRIDGE_ROUNDS, LOOKUP_PROB, SpanLookup, span_hits, use_span
+from specsplit.lookup import LOOKUP_PROB, SpanLookup, span_hits, use_bridge, use_span
 from specsplit.provisional import follows, reconcile_provisional
 from specsplit.rpc import DraftInfo, RpcError
 from specsplit.tree import TokenTree, union_trees
@@ -175,7 +175,7 @@ class DraftMixin:
         # kept provisional tokens (the draft's own, which then vouch for it) further than they go.
         span = self._lookup_span(session, remaining)  # [S]
         copied = use_span(span, [t for t, _ in ahead], session.copy_hits)
-        bridge = not copied and not ahead and session.since_copy < COPY_BRIDGE_ROUNDS  # see COPY_BRIDGE_ROUNDS
+        bridge = not copied and not ahead and use_bridge(session.since_copy, session.behind)
         session.since_copy = 0 if copied else session.since_copy + 1
         if copied:
             ahead = []
@@ -309,6 +309,7 @@ class DraftMixin:
             pass
         if span:
             session.copy_hits = span_hits(session.copy_hits, span, committed)
+        session.behind = 0 if stream is not None else session.behind + len(committed)
         path = tree.path_to(leaf) if leaf >= 0 else []
         route = [(tree.token_ids[n], tree.draft_probs[n]) for n in path] + provisional
         route_ids = [t for t, _ in route]  # [R]

@@ -16,8 +16,12 @@ COPY_MIN_HITS = 0.5
 COPY_EMA = 0.5  # weight of the latest span in that share
 # Rounds after a copied span that find none let the target decode alone (an edit point between copied spans is
 # a token or two) rather than have the draft first catch up on every copied token (measured: 700-870 ms for a
-# 1-3 token model round after ~64 copied tokens, 1-thread float32 catch-up on an AVX2 CPU).
+# 1-3 token model round after ~64 copied tokens, 1-thread float32 catch-up on an AVX2 CPU) ...
 COPY_BRIDGE_ROUNDS = 2
+# ... when there is that much to catch up on: at least this many committed tokens the draft has not seen. A chance
+# match (chat) rejected near its start leaves the draft a token or two behind: it goes on at once (measured across
+# a 20 ms network: two target-only rounds of 5-7 tokens, 250-400 ms each, after such a span).
+COPY_BRIDGE_BEHIND = LOOKUP_MAX
 
 
 class NgramIndex:
@@ -82,6 +86,13 @@ def use_span(span: list[int], ahead: list[int], hits: float) -> bool:
     if ahead:
         return len(span) > len(ahead) and span[: len(ahead)] == ahead
     return bool(span) and hits >= COPY_MIN_HITS
+
+
+def use_bridge(since_copy: int, behind: int) -> bool:
+    """Whether a round with no span to copy and no kept provisional tokens lets the target decode alone rather than
+    call the draft: ``since_copy`` rounds after a copied span, with the draft ``behind`` by that many committed
+    tokens (see COPY_BRIDGE_ROUNDS, COPY_BRIDGE_BEHIND)."""
+    return since_copy < COPY_BRIDGE_ROUNDS and behind >= COPY_BRIDGE_BEHIND
 
 
 def span_hits(hits: float, span: list[int], committed: list[int]) -> float:

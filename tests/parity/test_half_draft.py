@@ -163,3 +163,37 @@ def test_a_verifier_beside_a_draft_process_gets_the_cores_the_draft_leaves(targe
     assert any(s.drafter == "half" for s in stats)
     with start_stack(target, []) as alone:  # no draft beside it: the process's threads
         assert alone.verifier_engine.config.threads == 0
+
+
+@pytest.mark.parametrize("case", ["chance match", "edit point"])
+def test_target_only_rounds_follow_a_copied_span_only_when_the_draft_is_far_behind(target, target_dir, monkeypatch,
+                                                                                    case):
+    """half+ngram: after a copied span, the target decodes alone for a round or two (COPY_BRIDGE_ROUNDS) only when
+    the draft would first catch up on a span's worth of tokens (a code edit's edit point after copied lines). A
+    chance match rejected at its first token (chat) leaves the draft one token behind: the next round drafts."""
+    from specsplit.lookup import COPY_BRIDGE_ROUNDS, COPY_BRIDGE_BEHIND, SpanLookup
+
+    prompt = PROMPTS[1]
+    greedy = hf_greedy(target.model, prompt, 64)
+    spans = []  # the one span lookup finds: once 4 tokens are generated, right or wrong from its first token
+
+    def lookup(self, token_ids, drafted=()):
+        n = len(token_ids) - len(prompt)
+        if spans or n < 4:
+            return []
+        spans.append(greedy[n:n + COPY_BRIDGE_BEHIND] if case == "edit point" else [(greedy[n] + 1) % 300] * 16)
+        return list(spans[0])
+
+    monkeypatch.setattr(SpanLookup, "span", lookup)
+    proposer = make_proposer("half+ngram", device="cpu", target_model=str(target_dir), config=DraftConfig(threads=1))
+    config = OrchestratorConfig(trigger="fixed", tree_max_nodes=16, provisional_max=0)  # no kept tokens to vouch
+    with start_stack(target, [proposer], orchestrator_config=config) as stack:
+        tokens, stats = run(stack, prompt, 64, "half+ngram")
+    assert tokens == greedy
+    copied = next(i for i, s in enumerate(stats) if s.num_draft_tokens == 16)
+    assert stats[copied].num_accepted == (16 if case == "edit point" else 0)
+    after = [s.drafter for s in stats[copied + 1:copied + 1 + COPY_BRIDGE_ROUNDS + 1]]
+    if case == "edit point":  # 17 tokens the draft has not seen: the target bridges, then the draft goes on
+        assert after == ["none"] * COPY_BRIDGE_ROUNDS + ["half+ngram"]
+    else:
+        assert after[0] == "half+ngram"

@@ -1,6 +1,6 @@
 from draft_service.ngram import NgramProposer
 from specsplit.config import DraftConfig
-from specsplit.lookup import NgramIndex, span_hits, use_span
+from specsplit.lookup import COPY_BRIDGE_BEHIND, COPY_BRIDGE_ROUNDS, NgramIndex, span_hits, use_bridge, use_span
 
 
 def test_continuation_of_longest_suffix_match():
@@ -55,6 +55,12 @@ def test_a_span_is_used_while_spans_have_been_right_or_when_it_extends_the_draft
     assert use_span([4, 5, 6], [4, 5], hits=0.0)  # the draft's kept tokens vouch for its start
     assert not use_span([4, 9, 6], [4, 5], hits=1.0)  # the draft disagrees
     assert not use_span([4, 5], [4, 5], hits=1.0)  # no further than the draft's own
+
+
+def test_the_target_bridges_after_a_copied_span_only_when_the_draft_is_far_behind():
+    assert use_bridge(0, COPY_BRIDGE_BEHIND) and use_bridge(COPY_BRIDGE_ROUNDS - 1, 64)  # a code edit's edit point
+    assert not use_bridge(0, 1)  # a chance match rejected at its first token: the draft goes on at once
+    assert not use_bridge(COPY_BRIDGE_ROUNDS, 64)  # the bridge is over
 
 
 def test_span_hits_count_what_the_target_committed_as_far_as_both_go():
