@@ -171,20 +171,21 @@ def test_target_only_rounds_follow_a_copied_span_only_when_the_draft_is_far_behi
     """half+ngram: after a copied span, the target decodes alone for a round or two (COPY_BRIDGE_ROUNDS) only when
     the draft would first catch up on a span's worth of tokens (a code edit's edit point after copied lines). A
     chance match rejected at its first token (chat) leaves the draft one token behind: the next round drafts."""
-    from specsplit.lookup import COPY_BRIDGE_ROUNDS, COPY_BRIDGE_BEHIND, SpanLookup
+    from specsplit.lookup import COPY_BRIDGE_BEHIND, COPY_BRIDGE_ROUNDS, SpanLookup
 
     prompt = PROMPTS[1]
     greedy = hf_greedy(target.model, prompt, 64)
-    spans = []  # the one span lookup finds: once 4 tokens are generated, right or wrong from its first token
+    spans = []  # the one span the orchestrator's lookup finds: at 4 tokens generated, right or wrong from its start
 
-    def lookup(self, token_ids, drafted=()):
-        n = len(token_ids) - len(prompt)
-        if spans or n < 4:
-            return []
-        spans.append(greedy[n:n + COPY_BRIDGE_BEHIND] if case == "edit point" else [(greedy[n] + 1) % 300] * 16)
-        return list(spans[0])
+    class OneSpan(SpanLookup):
+        def span(self, token_ids, drafted=()):
+            n = len(token_ids) - len(prompt)
+            if spans or n < 4:
+                return []
+            spans.append(greedy[n:n + COPY_BRIDGE_BEHIND] if case == "edit point" else [(greedy[n] + 1) % 300] * 16)
+            return list(spans[0])
 
-    monkeypatch.setattr(SpanLookup, "span", lookup)
+    monkeypatch.setattr("orchestrator.drafts.SpanLookup", OneSpan)  # the orchestrator's (the draft's own is as it is)
     proposer = make_proposer("half+ngram", device="cpu", target_model=str(target_dir), config=DraftConfig(threads=1))
     config = OrchestratorConfig(trigger="fixed", tree_max_nodes=16, provisional_max=0)  # no kept tokens to vouch
     with start_stack(target, [proposer], orchestrator_config=config) as stack:
