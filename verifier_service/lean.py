@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from specsplit.kvcache import cache_kwarg
 from specsplit.llama import rms_norm, supports
 from verifier_service.batching import PackedBatch
-from verifier_service.slots import FoldedMasks, SlotStore, attend_groups, packed_forward, use_packed_attention, write_kv
+from verifier_service.slots import (FoldedMasks, SlotStore, attend_groups, head_rows, packed_forward, use_packed_attention,
+                                    write_kv)
 
 
 @dataclass(frozen=True)
@@ -93,13 +94,9 @@ class LeanPackedLlama:
             h = rms_norm(x, layer.post_norm, layer.post_eps)  # [T, H]
             x = x + F.linear(F.silu(F.linear(h, layer.gate)) * F.linear(h, layer.up), layer.down)  # [T, H]
         x = rms_norm(x, self.norm, self.norm_eps)  # [T, H]
-        if keep is None:
-            kept = x  # [T, H]
-        elif keep:
-            kept = x[torch.tensor(keep, device=x.device)]  # [K, H]
-        else:
-            kept = x[-1:]  # [1, H]
-        return F.linear(kept, self.lm_head), (x if hidden else None)  # [K, V], [T, H]
+        rows, wanted = head_rows(keep, total)
+        kept = x[torch.tensor(rows, device=x.device)] if rows else x[-1:]  # [K', H] (K' = max(K, 4) if K > 1)
+        return F.linear(kept, self.lm_head)[:wanted], (x if hidden else None)  # [K, V], [T, H]
 
 
 def packed_forward_for(model: torch.nn.Module, lean: bool = True):

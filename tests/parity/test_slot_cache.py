@@ -174,10 +174,13 @@ def test_the_lean_packed_forward_is_bit_identical_to_the_models_own():
     with torch.no_grad():
         for rows in ticks:
             packed = pack_rows(rows, torch.float32)
-            keep = list(range(0, packed.num_tokens, 2))
-            expected = packed_forward(model, stores["hf"], packed, cache_kwarg(model), keep, hidden=True)
-            got = lean(stores["lean"], packed, keep, hidden=True)
-            assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+            last = packed.num_tokens - 1
+            # (2 or 3 kept rows run through the LM head as 4: ``slots.head_rows``)
+            for keep in (list(range(0, packed.num_tokens, 2)), [0, last], [1, 2, last], [last]):
+                expected = packed_forward(model, stores["hf"], packed, cache_kwarg(model), keep, hidden=True)
+                got = lean(stores["lean"], packed, keep, hidden=True)
+                assert got[0].shape == (len(keep), model.config.vocab_size)
+                assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
             assert torch.equal(lean(stores["lean"], packed, [])[0], packed_forward(
                 model, stores["hf"], packed, cache_kwarg(model), [])[0])  # no logits needed: the last token's
     for layer in range(model.config.num_hidden_layers):

@@ -10,6 +10,7 @@ from specsplit.tree import TokenTree
 from verifier_service.batching import (ATTENTION_GROUP_OVERHEAD, GPU_ATTENTION_GROUP_OVERHEAD, cost_shares,
                                       group_overhead_for, pack_rows, plan_groups, prefill_row, verify_row)
 from verifier_service.scheduler import Scheduler, Work
+from verifier_service.slots import head_rows
 
 
 def test_equal_rows_share_one_attention_group():
@@ -210,3 +211,13 @@ def test_a_verifier_config_that_cannot_hold_a_prefill_chunk_is_a_clear_invalid_a
 
     with pytest.raises(InvalidArgument, match="must hold a prefill chunk"):
         VerifierConfig(max_batch_tokens=512, prefill_chunk=1000).validate()
+
+
+def test_the_lm_head_runs_two_or_three_kept_rows_as_four():
+    """(A CPU's float32 matmul of 2 or 3 rows reads the weight once per row; 4 rows once.)"""
+    assert head_rows([5, 6], 9) == ([5, 6, 6, 6], 2)
+    assert head_rows(None, 3) == ([0, 1, 2, 2], 3)
+    assert head_rows([4], 9) == ([4], 1)  # one row: a matrix-vector product, the cheapest
+    assert head_rows([], 9) == ([], 1)  # the last token's
+    assert head_rows([0, 2, 4, 6, 8], 9) == ([0, 2, 4, 6, 8], 5)
+    assert head_rows(None, 4) == ([0, 1, 2, 3], 4)
