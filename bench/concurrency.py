@@ -114,12 +114,18 @@ class StackWorker:
 
     def stats(self, method: str) -> tuple:
         """The method's verifier's forwards, rows, all processes' CPU seconds, thinks, summed think ms,
-        padded tokens, forward ms, ticks, prefill ms (the prompt chunks' share of the forward ms)."""
+        padded tokens, forward ms, ticks, prefill ms (the prompt chunks' share of the forward ms), prompt tokens
+        copied from kept prompts."""
         self.conn.send(method)
         for _, conn in self.edges:
             conn.send("cpu")
         stats = self.conn.recv()
         return stats[:2] + (stats[2] + sum(conn.recv() for _, conn in self.edges),) + stats[3:]
+
+    def clear_prefixes(self) -> None:
+        """The verifiers forget their kept prompts: every run reuses only what its own sessions share."""
+        self.conn.send("clear")
+        self.conn.recv()
 
     def close(self) -> None:
         for edge, conn in self.edges:
@@ -150,9 +156,14 @@ def _verifier_main(conn, threads: int, cpus: str = "", device: str = "cpu", dtyp
                "one_at_a_time": start_verifier(loaded, config=VerifierConfig(**{**(config or {}), "max_batch": 1}))}
     conn.send({name: server.address for name, server in servers.items()})
     while (method := conn.recv()) is not None:
+        if method == "clear":  # a run starts with no kept prompts (none from the warm-up or an earlier run)
+            for server in servers.values():
+                server.core.clear_prefixes()
+            conn.send(True)
+            continue
         stats = servers[method].core.stats
         conn.send((stats.forwards, stats.rows, sum(os.times()[:2]), stats.thinks, stats.think_ms, stats.tokens,
-                   stats.forward_ms, stats.ticks, stats.prefill_ms))
+                   stats.forward_ms, stats.ticks, stats.prefill_ms, stats.prefix_tokens))
     for server in servers.values():
         server.stop(1.0)
         server.core.close()
@@ -184,7 +195,8 @@ def waves_of(prompts: list, n: int, waves: int) -> list[list]:
 
 def run_specsplit(method: str, stacks: StackWorker, waves: list[list[dict]], max_new: int) -> Result:
     n = len(waves[0])
-    forwards, rows, stack_cpu, thinks, think_ms, _, forward_ms, _, prefill_ms = stacks.stats(method)
+    stacks.clear_prefixes()
+    forwards, rows, stack_cpu, thinks, think_ms, _, forward_ms, _, prefill_ms, prefix = stacks.stats(method)
     requests: queue.SimpleQueue = queue.SimpleQueue()  # wave by wave: request j = w * n + i
     for j, request in enumerate(r for wave in waves for r in wave):
         requests.put((j, request["prompt"]))
@@ -201,8 +213,8 @@ def run_specsplit(method: str, stacks: StackWorker, waves: list[list[dict]], max
     for t in threads:
         t.join()
     wall = time.perf_counter() - begin
-    forwards_after, rows_after, stack_cpu_after, thinks_after, think_ms_after, _, forward_ms_after, _, prefill_ms_after = \
-        stacks.stats(method)
+    forwards_after, rows_after, stack_cpu_after, thinks_after, think_ms_after, _, forward_ms_after, _, prefill_ms_after, \
+        prefix_after = stacks.stats(method)
     own = sum(os.times()[:2]) - cpu + stack_cpu_after - stack_cpu
     other = max(0.0, machine_busy_s() - busy - own) / wall
     rows_per_forward = (rows_after - rows) / max(forwards_after - forwards, 1)
@@ -213,6 +225,7 @@ def run_specsplit(method: str, stacks: StackWorker, waves: list[list[dict]], max
     result.think_ms = round((think_ms_after - think_ms) / max(thinks_after - thinks, 1), 1)
     result.verifier_busy = round((forward_ms_after - forward_ms) / 1e3 / wall, 2)
     result.prefill_share = round((prefill_ms_after - prefill_ms) / max(forward_ms_after - forward_ms, 1e-9), 2)
+    result.prefix_tokens = prefix_after - prefix
     return result
 
 
@@ -304,6 +317,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the verifiers' VerifierConfig.max_batch_tokens (0: its default)")
     parser.add_argument("--prefill-chunk", type=int, default=0,
                         help="the verifiers' VerifierConfig.prefill_chunk (0: its default)")
+    parser.add_argument("--prefix-cache-tokens", type=int, default=None,
+                        help="the verifiers' VerifierConfig.prefix_cache_tokens (0: no prompt reuse; default: its default)")
     parser.add_argument("--hf-forward", action="store_true",
                         help="the verifiers run the model's own forward, not the lean one (VerifierConfig.lean_forward)")
     parser.add_argument("--repeats", type=int, default=1,
@@ -350,7 +365,8 @@ def main(argv=None) -> None:
         print(f"n={n} #{repeat} {method}: {result.tokens_per_s:.1f} tok/s, p50 {result.p50_ms:.0f} ms, "
               f"p95 {result.p95_ms:.0f} ms, tree {result.mean_tree:.1f}, rows/fwd "
               f"{result.rows_per_forward:.1f}, think {result.think_ms:.0f} ms, verifier busy {result.verifier_busy:.0%} "
-              f"(prefill {result.prefill_share:.0%}), other load {result.other_load:.2f}", file=sys.stderr, flush=True)
+              f"(prefill {result.prefill_share:.0%}, {result.prefix_tokens} prompt tokens copied), other load "
+              f"{result.other_load:.2f}", file=sys.stderr, flush=True)
     stacks.close()
     conn.send(None)
     worker.join(timeout=30)

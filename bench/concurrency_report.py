@@ -36,6 +36,7 @@ class Result:
     repeat: int = 0  # which of the --repeats runs
     verifier_busy: float = 0.0  # fraction of the wall time the verifier spent in forwards (specsplit only)
     prefill_share: float = 0.0  # of that forward time, the prompt chunks' share (specsplit only)
+    prefix_tokens: int = 0  # prompt tokens the verifier copied from kept prompts instead of computing (specsplit only)
     token_ids: list[list[int]] = field(default_factory=list)
 
 
@@ -81,9 +82,9 @@ def markdown(results: list[Result], references: list[list[int]], args) -> str:
              "| sessions | batched tok/s | one-at-a-time tok/s | HF batched tok/s | batched / one-at-a-time "
              "| batched / HF | batched p50 / p95 | one-at-a-time p50 / p95 | HF p50 / p95 | batched TTFT p50 "
              "| mean tree (batched / 1-at-a-time) | rows per forward | verifier busy | prefill share (batched / 1-at-a-time) "
-             "| identical to HF greedy |"
+             "| identical to HF greedy | prompt tokens copied (batched / 1-at-a-time) |"
              + (" batched / one-at-a-time, batched / HF, each repeat |" if repeats > 1 else ""),
-             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|" + ("---|" if repeats > 1 else "")]
+             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|" + ("---|" if repeats > 1 else "")]
     for n in args.sessions:
         b, o, h = by[("batched", n)], by[("one_at_a_time", n)], by[("hf_batched", n)]
         total = len(b.token_ids)
@@ -95,11 +96,13 @@ def markdown(results: list[Result], references: list[list[int]], args) -> str:
                      f"{b.p50_ms:.0f} / {b.p95_ms:.0f} | {o.p50_ms:.0f} / {o.p95_ms:.0f} | "
                      f"{h.p50_ms:.0f} / {h.p95_ms:.0f} | {b.ttft_p50_ms:.0f} | {b.mean_tree:.1f} / {o.mean_tree:.1f} | "
                      f"{b.rows_per_forward:.1f} | {b.verifier_busy:.0%} | {b.prefill_share:.0%} / {o.prefill_share:.0%} | "
-                     f"{same}/{total} |"
+                     f"{same}/{total} | {b.prefix_tokens} / {o.prefix_tokens} |"
                      + (f" {each_repeat(results, n)} |" if repeats > 1 else ""))
     lines += ["", "identical: batched and one-at-a-time tokens both equal to HF generate of that prompt alone. "
               "(busy): other processes kept more than a quarter core busy during a run (see other_load in the JSON). verifier busy: the batched verifier's forward time / wall time. prefill share: the prompt "
-              "chunks' part of the verifier's forward time (each row's cost share of its forward)."]
+              "chunks' part of the verifier's forward time (each row's cost share of its forward). prompt tokens copied: "
+              "the verifier copied their K/V from an earlier prompt of the same run that began the same way (every run "
+              "starts with none kept; verifier_service/prefix.py)."]
     return "\n".join(lines) + "\n"
 
 
@@ -117,6 +120,8 @@ def verifier_overrides(args) -> dict:
                  if v}
     if args.hf_forward:
         overrides["lean_forward"] = False
+    if args.prefix_cache_tokens is not None:
+        overrides["prefix_cache_tokens"] = args.prefix_cache_tokens
     return overrides
 
 

@@ -120,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefill-chunk", type=int, default=128,
                        help="verifier: prompt tokens cached per batch, so a long prompt never stalls everyone's "
                             "verification (default 128; the H200 bench used 512)")
+    serve.add_argument("--prefix-cache-tokens", type=int, default=2048,
+                       help="verifier: prompt tokens whose K/V are kept after their prefill; a later prompt that "
+                            "starts the same way (a system turn, a conversation's earlier turns) copies them "
+                            "instead of computing them (default 2048; a token costs 2 x layers x KV heads x head "
+                            "size x dtype bytes, SmolLM2 in float32 46 KB; 0: off)")
     serve.add_argument("--hf-forward", action="store_true",
                        help="verifier: run batched forwards through the model's own Hugging Face forward (module "
                             "hooks fire) instead of the lean forward a Llama-architecture target gets by default "
@@ -368,7 +373,8 @@ def serve(args) -> int:
         config = VerifierConfig(max_tree_nodes=args.max_tree_nodes, max_sessions=args.max_sessions,
                                 max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
                                 max_batch_tokens=args.max_batch_tokens, prefill_chunk=args.prefill_chunk,
-                                idle_timeout_s=args.idle_timeout, lean_forward=not args.hf_forward)
+                                idle_timeout_s=args.idle_timeout, lean_forward=not args.hf_forward,
+                                prefix_cache_tokens=args.prefix_cache_tokens)
         medusa = None
         if args.medusa:
             from verifier_service.medusa import load_medusa

@@ -38,10 +38,16 @@ class VerifierConfig:
     # Packed forwards of a Llama-architecture target through verifier_service.lean: the model's weights and
     # operations without HF's per-module host work (bit-identical logits). False: through the model's forward.
     lean_forward: bool = True
+    # Prompt tokens whose K/V are kept after their prefill, so a later prompt that starts the same way (a system
+    # turn, an earlier turn of the conversation) copies them instead of computing them (verifier_service.prefix).
+    # Memory: 2 x layers x KV heads x head size x dtype bytes a token (SmolLM2 in float32: 46 KB). 0: off.
+    prefix_cache_tokens: int = 2048
 
     def validate(self) -> None:
         if self.max_batch < 1 or self.max_sessions < 1:
             raise InvalidArgument("max_batch and max_sessions must be >= 1")
+        if self.prefix_cache_tokens < 0:
+            raise InvalidArgument(f"prefix_cache_tokens must be >= 0 (0: off), got {self.prefix_cache_tokens}")
         if not 0 < self.prefill_chunk <= self.max_batch_tokens or self.max_tree_nodes + 1 > self.max_batch_tokens:
             raise InvalidArgument(f"max_batch_tokens={self.max_batch_tokens} must hold a prefill chunk "
                              f"({self.prefill_chunk}) and a whole tree (max_tree_nodes + 1 = {self.max_tree_nodes + 1})")

@@ -45,6 +45,7 @@ from verifier_service.batching import Row, cost_shares, group_overhead_for, pack
 from verifier_service.scheduler import Scheduler, Work
 from verifier_service.sessions import ADMISSION_GRACE_S, SessionTable
 from verifier_service.lean import packed_forward_for
+from verifier_service.prefix import PrefixCache
 from verifier_service.slots import SlotStore
 from verifier_service.work import (BatchStats, ExportWork, ImportWork, PrefillResult, PrefillWork, ReleaseWork,
                                    TargetSession, VerifyResult, VerifyWork)
@@ -70,6 +71,7 @@ class TargetEngine:
         self._num_layers = int(self.model.config.num_hidden_layers)
         self._packed_forward = packed_forward_for(self.model, self.config.lean_forward)
         self._store = SlotStore(self.config.max_sessions, self.config.kv_grow_tokens)
+        self._prefixes = PrefixCache(self.config.prefix_cache_tokens)
         self._group_overhead = group_overhead_for(self.device, self.config.attention_group_overhead)
         self._sessions = SessionTable(self.config.max_sessions, self.config.max_queued_prefill_tokens)
         cfg = self.config
@@ -89,6 +91,10 @@ class TargetEngine:
 
     def close(self) -> None:
         self._scheduler.close()
+
+    def clear_prefixes(self) -> None:
+        """Forget the kept prompts' K/V (``verifier_service.prefix``): later prompts are computed whole."""
+        self._prefixes.clear()
 
     def _expected_sessions(self, deadline: float) -> set[int]:
         """The sessions (ids) a tick waits for until ``deadline``: answered within the last ACTIVE_WINDOW_S and,
@@ -238,6 +244,8 @@ class TargetEngine:
             session = work.session
             if isinstance(work, ReleaseWork):
                 if session.slot >= 0:
+                    if session.answered_at:  # all of its cache is in place: kept for a conversation's next turn
+                        self._prefixes.keep(self._store, session.slot, session.token_ids[:-1], self._num_layers)
                     self._store.release(session.slot)
                     session.slot = -1
                 work.future.set_result(True)
@@ -252,7 +260,11 @@ class TargetEngine:
                     except ResourceExhausted as err:
                         self._fail(work, err)
                         continue
-                if work.done == len(work.token_ids):  # a one-token prompt: nothing to cache
+                if work.done == 0 and not session.needs_hidden:  # its first tick: a kept prompt's start is copied
+                    reused = self._prefixes.restore(self._store, session.slot, work.token_ids)
+                    self.stats.prefix_tokens += reused
+                    self._prefilled(work, reused)
+                if work.done == len(work.token_ids):  # nothing (more) to cache: a one-token or a kept prompt
                     session.answered_at = time.perf_counter()
                     work.future.set_result(PrefillResult(session.committed_length, _ms_since(work.enqueued)))
                     continue
@@ -392,14 +404,19 @@ class TargetEngine:
         session.token_ids.extend(verdict.committed_token_ids)
         return verdict
 
-    def _advance_prefill(self, work: PrefillWork, cached: int, continuing: list[Work]) -> None:
+    def _prefilled(self, work: PrefillWork, cached: int) -> None:
+        """``cached`` more prompt tokens are in the slot; the next chunk is sized."""
         work.done += cached
         self._sessions.cached(cached)
         work.tokens = min(len(work.token_ids) - work.done, self.config.prefill_chunk)
+
+    def _advance_prefill(self, work: PrefillWork, cached: int, continuing: list[Work]) -> None:
+        self._prefilled(work, cached)
         if work.tokens:
             continuing.append(work)
         else:
             session = work.session
+            self._prefixes.keep(self._store, session.slot, work.token_ids, self._num_layers)
             features = proposal = None
             if work.hidden:
                 hidden = torch.cat(work.hidden)  # [P-1, H] every cached prompt position

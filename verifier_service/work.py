@@ -93,6 +93,7 @@ class BatchStats:
     tokens: int = 0  # tokens through the forwards (packed: no padding)
     forward_ms: float = 0.0  # summed forward wall time
     prefill_ms: float = 0.0  # the prompt chunks' share of forward_ms (each row's cost share, batching.cost_shares)
+    prefix_tokens: int = 0  # prompt tokens whose K/V were copied from a kept prompt, not computed (prefix.py)
     think_ms: float = 0.0  # summed time from answering a session to its next Verify (what batch_wait_ms must cover)
     thinks: int = 0
 

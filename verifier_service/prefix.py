@@ -1,0 +1,103 @@
+"""Prompt prefix reuse: a new session whose prompt begins like an earlier one's gets that part's K/V copied into its
+slot instead of computed.
+
+Sessions of one deployment share the start of their prompts: the chat template's system turn (SmolLM2's default
+is 27 tokens of every prompt), an application's instructions, the earlier turns of a conversation sent again
+with its next message. When a prompt's prefill is done its cached K/V are kept here (a copy, on the model's
+device), least recently used first out once ``capacity`` tokens are held. A later prompt's longest common prefix
+with a kept one, if at least ``MIN_REUSE`` tokens, is copied into the new session's slot -- a memory copy, where
+computing those positions costs a forward of the whole model per chunk -- and its prefill goes on from there.
+
+The K/V of a position depend only on the tokens up to it, so the copied rows are what the new session's own
+prefill would compute, up to the floating-point order of a different chunking (a chunked prefill already differs
+from a one-shot one the same way; the parity tests check the tokens). Sessions that need every prompt position's
+hidden states (features for an EAGLE draft, Medusa) prefill in full. ``restore`` and ``keep`` run on the model
+thread; ``clear`` on any.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import torch
+
+from verifier_service.slots import SlotStore
+
+MIN_REUSE = 8  # shorter common prefixes (a BOS token, a template's first tokens) are computed: nothing to gain
+
+
+class PrefixCache:
+    def __init__(self, capacity: int):
+        """capacity: prompt tokens whose K/V are kept (0: reuse nothing)."""
+        self.capacity = capacity
+        self._kept: OrderedDict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+        self.held = 0  # tokens held
+        self.reused = 0  # prompt tokens copied instead of computed, all sessions
+        self._lock = threading.Lock()  # (clear from another thread)
+
+    def restore(self, store: SlotStore, slot: int, token_ids: list[int]) -> int:
+        """Copy the K/V of ``token_ids``' longest kept prefix (if at least MIN_REUSE tokens) to positions [0, n) of
+        ``slot``; returns n (0: nothing reused)."""
+        with self._lock:
+            return self._restore(store, slot, token_ids)
+
+    def _restore(self, store: SlotStore, slot: int, token_ids: list[int]) -> int:
+        best, length = None, 0
+        for kept in self._kept:
+            n = _common(kept, token_ids)
+            if n > length:
+                best, length = kept, n
+        if best is None or length < MIN_REUSE:
+            return 0
+        self._kept.move_to_end(best)
+        layers = self._kept[best]
+        store.write_session(slot, [(k[:, :length], v[:, :length]) for k, v in layers], layers[0][0].dtype,
+                            layers[0][0].device)
+        self.reused += length
+        return length
+
+    def keep(self, store: SlotStore, slot: int, token_ids: list[int], num_layers: int) -> None:
+        """Keep the K/V of a prompt just cached at positions [0, len(token_ids)) of ``slot``."""
+        with self._lock:
+            self._keep(store, slot, tuple(token_ids), num_layers)
+
+    def clear(self) -> None:
+        """Let every kept prompt go (a benchmark's runs each start cold)."""
+        with self._lock:
+            self._kept.clear()
+            self.held = 0
+
+    def _keep(self, store: SlotStore, slot: int, key: tuple[int, ...], num_layers: int) -> None:
+        if len(key) < MIN_REUSE or len(key) > self.capacity:
+            return
+        for kept in list(self._kept):
+            if kept[:len(key)] == key:  # already held, as this prompt or a longer one
+                self._kept.move_to_end(kept)
+                return
+            if key[:len(kept)] == kept:  # this prompt extends a kept one: keep only the longer
+                self._drop(kept)
+        self._kept[key] = [(k[slot, :, :len(key)].clone(), v[slot, :, :len(key)].clone())  # [H_kv, L, D] each
+                           for k, v in zip(store.keys[:num_layers], store.values[:num_layers])]
+        self.held += len(key)
+        while self.held > self.capacity:
+            self._drop(next(iter(self._kept)))
+
+    def _drop(self, key: tuple[int, ...]) -> None:
+        del self._kept[key]
+        self.held -= len(key)
+
+
+def _common(a: tuple[int, ...], b: list[int]) -> int:
+    """Length of the common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    if tuple(b[:n]) == a[:n]:
+        return n
+    low, high = 0, n  # a[:low] == b[:low], a[:high] != b[:high]: halve the gap (tuple compares run in C)
+    while high - low > 1:
+        mid = (low + high) // 2
+        if a[:mid] == tuple(b[:mid]):
+            low = mid
+        else:
+            high = mid
+    return low
