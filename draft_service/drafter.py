@@ -118,8 +118,13 @@ class Drafter:
         return len(self._sessions)
 
     def end(self, session_id: str) -> None:
-        self._sessions.pop(session_id, None)
-        self.proposer.end(session_id)
+        session = self._sessions.pop(session_id, None)
+        idle = session is not None and session.lock.acquire(blocking=False)  # no round of it is running
+        try:
+            self.proposer.end(session_id, keep=idle)
+        finally:
+            if idle:
+                session.lock.release()
 
 
 class GrowthControl:

@@ -6,6 +6,7 @@ it likes (an n-gram index, a KV cache); the draft servicer only routes calls.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,7 +36,9 @@ class Proposer(Protocol):
 
     def propose(self, session_id: str, token_ids: list[int], max_nodes: int) -> TokenTree: ...
 
-    def end(self, session_id: str) -> None: ...
+    def end(self, session_id: str, keep: bool = False) -> None:
+        """keep: no round of the session is running, so its state may be kept for a later session that starts
+        the same way (``ModelProposer`` keeps the latest ended session's cache: a conversation's next turn)."""
 
 
 @dataclass
@@ -54,6 +57,7 @@ class _ModelSession:
 
 
 PREFILL_MIN_TOKENS = 4  # forwards of this many tokens or more (prompts, copied spans) go through prefill_model
+REUSE_MIN_TOKENS = 8  # a new prompt starting with at least this many of an ended session's tokens reuses its cache
 
 
 class ModelProposer:
@@ -89,12 +93,19 @@ class ModelProposer:
         self._sessions: dict[str, _ModelSession] = {}
         self._runner = ModelRunner("draft", self.config.threads)
         self._prefills = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specsplit-draft-prefill")
+        self._ended: tuple[list[int], object] | None = None  # the latest ended session's (cached tokens, cache)
+        self._ended_lock = threading.Lock()
 
     def start(self, session_id: str, prompt_token_ids: list[int], sampling: SamplingParams | None = None) -> None:
         """A new session; its prompt's prefill starts now, in the background, so that it overlaps the
-        verifier's (the orchestrator starts the draft first)."""
+        verifier's (the orchestrator starts the draft first). A prompt that begins with the latest ended session's
+        tokens (the conversation it continues) starts from that session's cache: only the rest is computed."""
         sampling, generator = draft_sampling(sampling, self.config.q_top_k)
         session = _ModelSession(kvcache.new_cache(self.model), [], sampling, generator)
+        with self._ended_lock:
+            ended, self._ended = self._ended, None
+        if ended is not None and kvcache.common_length(ended[0], prompt_token_ids) >= REUSE_MIN_TOKENS:
+            session.cached, session.cache = ended  # (the catch-up cuts it back to the common start)
         if prompt_token_ids:
             session.warming = self._prefills.submit(self._catch_up, session, list(prompt_token_ids))
         self._sessions[session_id] = session
@@ -106,8 +117,11 @@ class ModelProposer:
             warming.result()  # (a failed prefill fails this round: the orchestrator falls back to the target)
         return session
 
-    def end(self, session_id: str) -> None:
-        self._sessions.pop(session_id, None)
+    def end(self, session_id: str, keep: bool = False) -> None:
+        session = self._sessions.pop(session_id, None)
+        if keep and self.config.reuse_ended and session is not None and session.warming is None and session.cached:
+            with self._ended_lock:
+                self._ended = (session.cached, session.cache)
 
     def _forward(self, input_ids, position_ids, mask, cache, logits_to_keep: int = 0, model=None) -> torch.Tensor:
         out = self._runner(model or self.model, input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
@@ -218,12 +232,8 @@ class ModelProposer:
 
     def _catch_up(self, session: _ModelSession, token_ids: list[int]) -> torch.Tensor:
         """Bring the cache to the committed tokens; return the next-token logits after the last one ([1, V])."""
-        common = 0
-        for a, b in zip(session.cached, token_ids):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(token_ids) - 1)  # always re-run the last token to get its next-token logits
+        # (always re-run the last token to get its next-token logits)
+        common = min(kvcache.common_length(session.cached, token_ids), len(token_ids) - 1)
         kvcache.truncate(session.cache, common)
         device = self.model.device
         ids = torch.tensor([token_ids[common:]], dtype=torch.long, device=device)  # [1, U]
@@ -331,8 +341,8 @@ class CombinedProposer:
         drafted = self.model.propose(session_id, token_ids, max_nodes - len(lookup))
         return union_trees(lookup, drafted, max_nodes, merge=not self._sampled[session_id])
 
-    def end(self, session_id: str) -> None:
-        self.model.end(session_id)
+    def end(self, session_id: str, keep: bool = False) -> None:
+        self.model.end(session_id, keep)
         self.ngram.end(session_id)
         self._sampled.pop(session_id, None)
 

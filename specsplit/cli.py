@@ -208,6 +208,10 @@ def _draft_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--branch-threshold", type=float, default=DraftConfig.branch_threshold,
                        help="a candidate above this probability opens a new branch (default %(default)s, LLMCad's; "
                             "1 = never branch)")
+    group.add_argument("--no-cache-reuse", action="store_true",
+                       help="a new draft session never starts from the latest ended session's KV cache (by default "
+                            "a conversation's next turn, which sends the earlier turns again, computes only its new "
+                            "tokens on the draft; the verifier's counterpart is --prefix-cache-tokens)")
 
 
 def _draft_config(args, drafter: str):
@@ -215,7 +219,8 @@ def _draft_config(args, drafter: str):
 
     width = args.grow_width or (1 if drafter.startswith("half") else DraftConfig.grow_width)
     return DraftConfig(max_nodes=getattr(args, "max_tree_nodes", DraftConfig.max_nodes), grow_width=width,
-                       branch_threshold=args.branch_threshold, threads=args.draft_threads)
+                       branch_threshold=args.branch_threshold, threads=args.draft_threads,
+                       reuse_ended=not args.no_cache_reuse)
 
 
 def _draft_process_args(args, kind: str) -> list[str]:
@@ -226,6 +231,8 @@ def _draft_process_args(args, kind: str) -> list[str]:
                         ("--draft-dtype", args.draft_dtype), ("--grow-width", args.grow_width)):
         if value:
             out += [flag, str(value)]
+    if args.no_cache_reuse:
+        out.append("--no-cache-reuse")
     return out
 
 

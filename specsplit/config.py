@@ -70,6 +70,9 @@ class DraftConfig:
     threads: int = 0  # torch CPU threads of a model or eagle draft's forwards (0: the process's)
     q_top_k: int = 32  # a sampling draft draws from its top 32 tokens: q travels as at most 32 (id, prob) pairs
     idle_timeout_s: float = 300.0  # a session untouched this long lost its orchestrator: forget it
+    # A model draft's new session that continues the latest ended one (a conversation's next turn sends the earlier
+    # turns again) starts from that session's KV cache: only the new tokens are computed.
+    reuse_ended: bool = True
 
 
 @dataclass

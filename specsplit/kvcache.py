@@ -94,6 +94,16 @@ def truncate(cache: DynamicCache, length: int) -> None:
             layer.values = layer.values[..., :length, :]  # [B, H_kv, length, D]
 
 
+def common_length(a, b) -> int:
+    """Length of the longest common start of two token id sequences: what a cache of ``a`` holds for ``b``."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def cast(cache: DynamicCache, dtype: torch.dtype) -> None:
     """Every layer's keys and values in ``dtype`` (for a forward by a copy of the model in another dtype).
     A lean cache stays in its models' shared compute dtype."""

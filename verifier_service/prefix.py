@@ -22,6 +22,7 @@ from collections import OrderedDict
 
 import torch
 
+from specsplit.kvcache import common_length
 from verifier_service.slots import SlotStore
 
 MIN_REUSE = 8  # shorter common prefixes (a BOS token, a template's first tokens) are computed: nothing to gain
@@ -45,7 +46,7 @@ class PrefixCache:
     def _restore(self, store: SlotStore, slot: int, token_ids: list[int]) -> int:
         best, length = None, 0
         for kept in self._kept:
-            n = _common(kept, token_ids)
+            n = common_length(kept, token_ids)
             if n > length:
                 best, length = kept, n
         if best is None or length < MIN_REUSE:
@@ -58,7 +59,8 @@ class PrefixCache:
         return length
 
     def keep(self, store: SlotStore, slot: int, token_ids: list[int], num_layers: int) -> None:
-        """Keep the K/V of a prompt just cached at positions [0, len(token_ids)) of ``slot``."""
+        """Keep the K/V of a prompt just cached at positions [0, len(token_ids)) of ``slot`` (its first ``capacity``
+        tokens, if longer)."""
         with self._lock:
             self._keep(store, slot, tuple(token_ids), num_layers)
 
@@ -69,7 +71,8 @@ class PrefixCache:
             self.held = 0
 
     def _keep(self, store: SlotStore, slot: int, key: tuple[int, ...], num_layers: int) -> None:
-        if len(key) < MIN_REUSE or len(key) > self.capacity:
+        key = key[:self.capacity]  # (a conversation longer than the capacity: its start)
+        if len(key) < MIN_REUSE:
             return
         for kept in list(self._kept):
             if kept[:len(key)] == key:  # already held, as this prompt or a longer one
@@ -87,17 +90,3 @@ class PrefixCache:
         del self._kept[key]
         self.held -= len(key)
 
-
-def _common(a: tuple[int, ...], b: list[int]) -> int:
-    """Length of the common prefix of two token sequences."""
-    n = min(len(a), len(b))
-    if tuple(b[:n]) == a[:n]:
-        return n
-    low, high = 0, n  # a[:low] == b[:low], a[:high] != b[:high]: halve the gap (tuple compares run in C)
-    while high - low > 1:
-        mid = (low + high) // 2
-        if a[:mid] == tuple(b[:mid]):
-            low = mid
-        else:
-            high = mid
-    return low

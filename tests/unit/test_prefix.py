@@ -52,8 +52,9 @@ def test_least_recently_used_prompts_go_first_past_the_capacity():
     cache.keep(store, 0, c, LAYERS)
     assert cache.held == 60
     assert cache.restore(store, 1, b) == 0 and cache.restore(store, 1, a) == 30 and cache.restore(store, 1, c) == 30
-    cache.keep(store, 0, list(range(80)), LAYERS)  # more than the whole capacity: never kept
-    assert cache.held == 60
+    long = [4000 + i for i in range(80)]
+    cache.keep(store_with(0, 80, seed=5), 0, long, LAYERS)  # longer than the whole capacity: its start is kept
+    assert cache.held == 70 and cache.restore(store, 1, long) == 70
     off = PrefixCache(capacity=0)
     off.keep(store, 0, a, LAYERS)
     assert off.held == 0 and off.restore(store, 1, a) == 0
