@@ -6,8 +6,9 @@ its answer and a new message. The verifier keeps prompts' and ended sessions' K/
 ``--prefix-cache-tokens``) and a model draft starts a session that continues the latest ended one from its cache
 (``--no-cache-reuse`` turns that off), so each turn computes only its new tokens instead of the whole conversation.
 
-Two arms, taking turns (``--repeats`` times each): ``reuse`` (the defaults) and ``off`` (the verifier's
-prefix cache at 0 tokens, the draft started with --no-cache-reuse), each with a fresh stack (verifier and
+Three arms, taking turns (``--repeats`` times each): ``reuse`` (the defaults), ``off`` (the verifier's prefix
+cache at 0 tokens, the draft started with --no-cache-reuse) and ``verifier`` (the verifier's reuse only: what the
+draft's own prefill then costs), each with a fresh stack (verifier and
 orchestrator in this process, a half draft in its own process, as ``specsplit generate`` runs them). Per turn:
 prompt tokens, time to the first generated tokens (TTFT, at the client), the whole turn's time and the prompt
 tokens the verifier copied instead of computing. Greedy; every turn's tokens are checked against HF greedy of that
@@ -42,7 +43,7 @@ from specsplit.models import load_model  # noqa: E402
 
 FOLLOW_UPS = ["Tell me more about the second point.", "Summarize your answers so far in two sentences.",
               "Give one concrete example.", "What would you advise a beginner?"]
-ARMS = ("off", "reuse")
+ARMS = ("off", "verifier", "reuse")
 
 
 @dataclass
@@ -62,11 +63,10 @@ class Turn:
 
 
 def run_arm(arm: str, repeat: int, target, conversations: list[dict], args) -> list[Turn]:
-    reuse = arm == "reuse"
-    config = VerifierConfig(prefix_cache_tokens=VerifierConfig.prefix_cache_tokens if reuse else 0)
+    config = VerifierConfig(prefix_cache_tokens=0 if arm == "off" else VerifierConfig.prefix_cache_tokens)
     processes, proposers = [], []
     if args.draft.startswith("half"):
-        flags = ["--draft", args.draft, "--threads", "1"] + ([] if reuse else ["--no-cache-reuse"])
+        flags = ["--draft", args.draft, "--threads", "1"] + ([] if arm == "reuse" else ["--no-cache-reuse"])
         processes = [DraftProcess(flags + (["--draft-dtype", args.draft_dtype] if args.draft_dtype else []))]
     else:
         proposers = default_proposers(args.draft, None, "cpu", "float32")
@@ -105,9 +105,9 @@ def markdown(turns: list[Turn], args) -> str:
              f"{args.turns} turns per conversation (turn 1 a bench prompt, then: "
              f"{'; '.join(FOLLOW_UPS[:args.turns - 1])}), {args.repeats} repeat(s) per arm taking turns; "
              "medians over the repeats.", "",
-             "| conversation | turn | prompt tokens | TTFT off ms | TTFT reuse ms | TTFT off / reuse | turn s off | "
-             "turn s reuse | prompt tokens copied (reuse) | identical to HF greedy |",
-             "|---|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
+             "| conversation | turn | prompt tokens | TTFT ms: off / verifier / reuse | TTFT off / reuse | "
+             "turn s: off / verifier / reuse | prompt tokens copied (reuse) | identical to HF greedy |",
+             "|---|--:|--:|--:|--:|--:|--:|---|"]
     keys = sorted({(t.conversation, t.turn) for t in turns}, key=lambda k: ([t.conversation for t in turns].index(k[0]),
                                                                             k[1]))
     for conversation, k in keys:
@@ -116,10 +116,10 @@ def markdown(turns: list[Turn], args) -> str:
         ttft = {arm: statistics.median(t.ttft_ms for t in by[arm]) for arm in ARMS}
         secs = {arm: statistics.median(t.seconds for t in by[arm]) for arm in ARMS}
         same = all(t.identical for arm in ARMS for t in by[arm])
-        lines.append(f"| {conversation} | {k} | {by['reuse'][0].prompt_tokens} | {ttft['off']:.0f} | "
-                     f"{ttft['reuse']:.0f} | {ttft['off'] / ttft['reuse']:.2f}x | {secs['off']:.2f} | "
-                     f"{secs['reuse']:.2f} | {statistics.median(t.copied for t in by['reuse']):.0f} | "
-                     f"{'yes' if same else 'NO'} |")
+        lines.append(f"| {conversation} | {k} | {by['reuse'][0].prompt_tokens} | "
+                     f"{' / '.join(f'{ttft[arm]:.0f}' for arm in ARMS)} | {ttft['off'] / ttft['reuse']:.2f}x | "
+                     f"{' / '.join(f'{secs[arm]:.2f}' for arm in ARMS)} | "
+                     f"{statistics.median(t.copied for t in by['reuse']):.0f} | {'yes' if same else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -147,7 +147,7 @@ def main(argv=None) -> None:
     conversations = [by_id[c] for c in wanted]
     turns: list[Turn] = []
     for repeat in range(args.repeats):
-        for arm in (ARMS if repeat % 2 == 0 else ARMS[::-1]):
+        for arm in (ARMS if repeat % 2 == 0 else ARMS[::-1]):  # taking turns
             turns += run_arm(arm, repeat, target, conversations, args)
     references: dict[tuple, list[int]] = {}
     for t in turns:  # HF greedy of each turn's prompt, the target alone
