@@ -17,6 +17,7 @@ from specsplit.sampling import SamplingParams
 from specsplit.tree import TokenTree
 
 tracer = trace.get_tracer(__name__)
+END_WAIT_S = 2.0  # an ended session's last round that holds it longer leaves its state unreusable
 
 
 @dataclass
@@ -119,12 +120,22 @@ class Drafter:
 
     def end(self, session_id: str) -> None:
         session = self._sessions.pop(session_id, None)
-        idle = session is not None and session.lock.acquire(blocking=False)  # no round of it is running
-        try:
-            self.proposer.end(session_id, keep=idle)
-        finally:
-            if idle:
-                session.lock.release()
+        if session is None:
+            self.proposer.end(session_id)
+            return
+        idle = threading.Event()  # set once no round of the session runs (its state may then be reused)
+        self.proposer.end(session_id, idle)
+        if session.lock.acquire(blocking=False):
+            idle.set()
+            session.lock.release()
+        else:  # its last round is still finishing a forward (the orchestrator ends a session once it has its tokens)
+            threading.Thread(target=_set_when_free, args=(session.lock, idle), daemon=True, name="draft-end").start()
+
+
+def _set_when_free(lock: threading.Lock, idle: threading.Event) -> None:
+    if lock.acquire(timeout=END_WAIT_S):
+        idle.set()
+        lock.release()
 
 
 class GrowthControl:

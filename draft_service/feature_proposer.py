@@ -84,7 +84,7 @@ class FeatureProposer:
         sampling, generator = draft_sampling(sampling, self.config.q_top_k)
         self._sessions[session_id] = _FeatureSession(sampling, generator)
 
-    def end(self, session_id: str, keep: bool = False) -> None:
+    def end(self, session_id: str, idle=None) -> None:
         self._sessions.pop(session_id, None)
 
     def add_features(self, session_id: str, chunks: list[Features]) -> None:

@@ -43,5 +43,5 @@ class NgramProposer:
         primary = paths[:1] and [paths[0][: max_nodes - sum(map(len, alts))]]
         return TokenTree.from_paths(primary + alts).truncated(max_nodes)
 
-    def end(self, session_id: str, keep: bool = False) -> None:
+    def end(self, session_id: str, idle=None) -> None:
         self._index.pop(session_id, None)

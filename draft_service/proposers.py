@@ -36,9 +36,10 @@ class Proposer(Protocol):
 
     def propose(self, session_id: str, token_ids: list[int], max_nodes: int) -> TokenTree: ...
 
-    def end(self, session_id: str, keep: bool = False) -> None:
-        """keep: no round of the session is running, so its state may be kept for a later session that starts
-        the same way (``ModelProposer`` keeps the latest ended session's cache: a conversation's next turn)."""
+    def end(self, session_id: str, idle: threading.Event | None = None) -> None:
+        """idle: set once no round of the session runs any more; its state may then serve a later session that
+        starts the same way (``ModelProposer`` keeps the latest ended session's cache: a conversation's next turn).
+        None: nothing is kept."""
 
 
 @dataclass
@@ -58,6 +59,9 @@ class _ModelSession:
 
 PREFILL_MIN_TOKENS = 4  # forwards of this many tokens or more (prompts, copied spans) go through prefill_model
 REUSE_MIN_TOKENS = 8  # a new prompt starting with at least this many of an ended session's tokens reuses its cache
+# A new session's prefill waits at most this long for the ended session's last round to let go of the cache it may
+# reuse (a conversation's next turn sent at once, an agent's loop): about a draft forward or two.
+REUSE_WAIT_S = 0.3
 
 
 class ModelProposer:
@@ -93,7 +97,7 @@ class ModelProposer:
         self._sessions: dict[str, _ModelSession] = {}
         self._runner = ModelRunner("draft", self.config.threads)
         self._prefills = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specsplit-draft-prefill")
-        self._ended: tuple[list[int], object] | None = None  # the latest ended session's (cached tokens, cache)
+        self._ended: tuple[_ModelSession, threading.Event] | None = None  # the latest ended session, and its idle
         self._ended_lock = threading.Lock()
 
     def start(self, session_id: str, prompt_token_ids: list[int], sampling: SamplingParams | None = None) -> None:
@@ -104,10 +108,8 @@ class ModelProposer:
         session = _ModelSession(kvcache.new_cache(self.model), [], sampling, generator)
         with self._ended_lock:
             ended, self._ended = self._ended, None
-        if ended is not None and kvcache.common_length(ended[0], prompt_token_ids) >= REUSE_MIN_TOKENS:
-            session.cached, session.cache = ended  # (the catch-up cuts it back to the common start)
         if prompt_token_ids:
-            session.warming = self._prefills.submit(self._catch_up, session, list(prompt_token_ids))
+            session.warming = self._prefills.submit(self._warm, session, list(prompt_token_ids), ended)
         self._sessions[session_id] = session
 
     def _session(self, session_id: str) -> _ModelSession:
@@ -117,11 +119,20 @@ class ModelProposer:
             warming.result()  # (a failed prefill fails this round: the orchestrator falls back to the target)
         return session
 
-    def end(self, session_id: str, keep: bool = False) -> None:
+    def _warm(self, session: _ModelSession, prompt: list[int], ended) -> torch.Tensor:
+        """A new session's prompt prefill: from the latest ended session's cache when the prompt continues it (its
+        last round done with it), else from scratch."""
+        if ended is not None:
+            old, idle = ended  # (read once its round is done: until then its cache and tokens may still change)
+            if idle.wait(REUSE_WAIT_S) and kvcache.common_length(old.cached, prompt) >= REUSE_MIN_TOKENS:
+                session.cached, session.cache = old.cached, old.cache  # (the catch-up cuts it to the common start)
+        return self._catch_up(session, prompt)
+
+    def end(self, session_id: str, idle: threading.Event | None = None) -> None:
         session = self._sessions.pop(session_id, None)
-        if keep and self.config.reuse_ended and session is not None and session.warming is None and session.cached:
+        if idle is not None and self.config.reuse_ended and session is not None and session.warming is None:
             with self._ended_lock:
-                self._ended = (session.cached, session.cache)
+                self._ended = (session, idle)
 
     def _forward(self, input_ids, position_ids, mask, cache, logits_to_keep: int = 0, model=None) -> torch.Tensor:
         out = self._runner(model or self.model, input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
@@ -341,8 +352,8 @@ class CombinedProposer:
         drafted = self.model.propose(session_id, token_ids, max_nodes - len(lookup))
         return union_trees(lookup, drafted, max_nodes, merge=not self._sampled[session_id])
 
-    def end(self, session_id: str, keep: bool = False) -> None:
-        self.model.end(session_id, keep)
+    def end(self, session_id: str, idle: threading.Event | None = None) -> None:
+        self.model.end(session_id, idle)
         self.ngram.end(session_id)
         self._sampled.pop(session_id, None)
 

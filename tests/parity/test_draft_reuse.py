@@ -59,7 +59,7 @@ def test_the_next_turn_of_a_conversation_computes_only_its_new_tokens(model):
     assert reused == first_round(fresh, "turn2", turn2)  # the same draft as from scratch
 
 
-def test_an_unrelated_prompt_or_a_session_ended_mid_round_starts_from_scratch(model):
+def test_an_unrelated_prompt_or_one_after_a_session_ended_mid_round_starts_from_scratch(model):
     proposer = ModelProposer(model, DraftConfig(branch_threshold=1.0))
     drafter = Drafter(proposer)
     sizes = counted(proposer)
@@ -74,9 +74,9 @@ def test_an_unrelated_prompt_or_a_session_ended_mid_round_starts_from_scratch(mo
 
     running = drafter.grow("b", [], len(other), 4, GrowthControl())
     next(running)  # a round suspended mid-way holds the session: its cache may still change
-    drafter.end("b")
+    drafter.end("b")  # (reusable only once the round lets go of it)
     sizes.clear()
     drafter.start("c", other + [50, 51], model.fingerprint)
     first_round(drafter, "c", other + [50, 51])
-    assert sizes[0] == len(other) + 2
+    assert sizes[0] == len(other) + 2  # (after waiting REUSE_WAIT_S for b's round)
     running.close()
