@@ -22,6 +22,9 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
+    # Each channel its own connections: a new channel to an address whose server stopped a moment ago (a restarted
+    # replica, a test's next stack on a reused port) does not inherit that connection's failure and backoff.
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 
 
