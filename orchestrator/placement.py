@@ -160,7 +160,9 @@ class KvPlacement:
                 kind = "prefill"
             ms = (time.perf_counter() - start) * 1e3
             span.set_attribute("specsplit.restore", kind)
-        self.planner.observe(kind, len(tokens), ms, reply.prefill_ms if kind == "prefill" else 0.0)
+        # (the verifier's copied prompt tokens cost next to nothing: the rates are per computed token)
+        computed = len(tokens) - (reply.copied_tokens if kind == "prefill" else 0)
+        self.planner.observe(kind, computed, ms, reply.prefill_ms if kind == "prefill" else 0.0)
         log.info("session %s: %s of %d tokens on %s took %.1f ms", session.id, kind, len(tokens), replica.address, ms)
 
     def _place(self, session, replica: Replica, reserved: bool = False) -> None:

@@ -110,8 +110,9 @@ def verdict_to_pb(verdict: Verdict, committed_length: int, timing: VerifyTiming,
 
 
 def prefill_to_pb(committed_length: int, prefill_ms: float, features: Features | None = None,
-                  proposal: TokenTree | None = None) -> verifier_pb2.PrefillResponse:
-    msg = verifier_pb2.PrefillResponse(committed_length=committed_length, prefill_ms=prefill_ms)
+                  proposal: TokenTree | None = None, copied_tokens: int = 0) -> verifier_pb2.PrefillResponse:
+    msg = verifier_pb2.PrefillResponse(committed_length=committed_length, prefill_ms=prefill_ms,
+                                       copied_tokens=copied_tokens)
     if features is not None:
         msg.features.CopyFrom(features_to_pb(features))
     if proposal is not None:
@@ -129,6 +130,7 @@ class VerifierReply:
     verdict: Verdict | None = None  # Verify only
     timing: VerifyTiming | None = None  # Verify only
     prefill_ms: float = 0.0  # Prefill only: arrival to answer in the verifier, queueing included
+    copied_tokens: int = 0  # Prefill only: prompt tokens copied from a kept prompt, not computed
 
 
 def _extras_from_pb(msg) -> tuple[Features | None, TokenTree | None]:
@@ -241,7 +243,8 @@ class RemoteVerifier:
                                                           sampling=sampling_to_pb(sampling or SamplingParams()),
                                                           return_features=return_features, medusa=medusa),
                               timeout=timeout)
-        return VerifierReply(r.committed_length, *_extras_from_pb(r), prefill_ms=r.prefill_ms)
+        return VerifierReply(r.committed_length, *_extras_from_pb(r), prefill_ms=r.prefill_ms,
+                             copied_tokens=r.copied_tokens)
 
     def verify(self, session_id: str, tree: TokenTree, expected_committed_length: int, max_commit: int,
                timeout: float, decode_steps: int = 0) -> tuple[Verdict, VerifyTiming]:

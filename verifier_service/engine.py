@@ -263,10 +263,12 @@ class TargetEngine:
                 if work.done == 0 and not session.needs_hidden:  # its first tick: a kept prompt's start is copied
                     reused = self._prefixes.restore(self._store, session.slot, work.token_ids)
                     self.stats.prefix_tokens += reused
+                    work.copied = reused
                     self._prefilled(work, reused)
                 if work.done == len(work.token_ids):  # nothing (more) to cache: a one-token or a kept prompt
                     session.answered_at = time.perf_counter()
-                    work.future.set_result(PrefillResult(session.committed_length, _ms_since(work.enqueued)))
+                    work.future.set_result(PrefillResult(session.committed_length, _ms_since(work.enqueued),
+                                                         copied_tokens=work.copied))
                     continue
                 rows.append(prefill_row(session.slot, work.done, work.token_ids[work.done:work.done + work.tokens]))
                 owners.append(work)
@@ -424,7 +426,8 @@ class TargetEngine:
             elif session.medusa:
                 proposal = TokenTree.empty()
             session.answered_at = time.perf_counter()
-            work.future.set_result(PrefillResult(session.committed_length, _ms_since(work.enqueued), features, proposal))
+            work.future.set_result(PrefillResult(session.committed_length, _ms_since(work.enqueued), features, proposal,
+                                                 work.copied))
 
     def _fail(self, work: Work, err: BaseException) -> None:
         if isinstance(work, PrefillWork):

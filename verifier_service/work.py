@@ -82,6 +82,7 @@ class PrefillResult(NamedTuple):
     prefill_ms: float
     features: Features | None = None  # the cached prompt positions' features, if asked
     proposal: TokenTree | None = None  # Medusa's tree for the first Verify, if asked
+    copied_tokens: int = 0  # prompt tokens copied from a kept prompt (verifier_service.prefix), not computed
 
 
 @dataclass
@@ -107,6 +108,7 @@ class PrefillWork(Work):
     session: TargetSession | None = None
     token_ids: list[int] = field(default_factory=list)  # [P-1] what to cache: the prompt less its last token
     done: int = 0
+    copied: int = 0  # of them, copied from a kept prompt
     hidden: list = field(default_factory=list)  # per chunk [C, H] final hidden states (features/Medusa only)
 
 

@@ -54,16 +54,18 @@ class PrefillRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., medusa: _Optional[bool] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("committed_length", "prefill_ms", "features", "proposal")
+    __slots__ = ("committed_length", "prefill_ms", "features", "proposal", "copied_tokens")
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    COPIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     committed_length: int
     prefill_ms: float
     features: _common_pb2.Features
     proposal: _common_pb2.TokenTree
-    def __init__(self, committed_length: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., proposal: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ...) -> None: ...
+    copied_tokens: int
+    def __init__(self, committed_length: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., proposal: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., copied_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "tree", "expected_committed_length", "max_commit", "decode_steps")

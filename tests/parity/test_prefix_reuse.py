@@ -6,6 +6,8 @@ import random
 import pytest
 
 from specsplit.config import VerifierConfig
+from specsplit.launch import start_verifier
+from specsplit.rpc import RemoteVerifier
 from specsplit.tree import TokenTree
 from tiny import hf_greedy, tiny_loaded
 from verifier_service.engine import TargetEngine
@@ -79,3 +81,16 @@ def test_off_computes_every_prompt_and_sessions_needing_hidden_states_prefill_in
         assert features.num_positions == len(prompt) - 1
     finally:
         engine.close()
+
+
+def test_the_prefill_answer_says_how_many_prompt_tokens_were_copied(target):
+    """Over gRPC: the orchestrator learns the verifier's prefill rate per computed token, not per copied one."""
+    server = start_verifier(target, config=VerifierConfig())
+    try:
+        client = RemoteVerifier(server.address)
+        prompt = list(range(3, 60))
+        assert client.prefill_reply("a", prompt, timeout=30).copied_tokens == 0
+        assert client.prefill_reply("b", prompt[:40] + [300, 301], timeout=30).copied_tokens == 40
+    finally:
+        server.stop(1.0)
+        server.core.close()
