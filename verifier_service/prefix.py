@@ -34,7 +34,6 @@ class PrefixCache:
         self.capacity = capacity
         self._kept: OrderedDict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
         self.held = 0  # tokens held
-        self.reused = 0  # prompt tokens copied instead of computed, all sessions
         self._lock = threading.Lock()  # (clear from another thread)
 
     def restore(self, store: SlotStore, slot: int, token_ids: list[int]) -> int:
@@ -55,7 +54,6 @@ class PrefixCache:
         layers = self._kept[best]
         store.write_session(slot, [(k[:, :length], v[:, :length]) for k, v in layers], layers[0][0].dtype,
                             layers[0][0].device)
-        self.reused += length
         return length
 
     def keep(self, store: SlotStore, slot: int, token_ids: list[int], num_layers: int) -> None:
