@@ -45,7 +45,7 @@ from verifier_service.batching import Row, cost_shares, group_overhead_for, pack
 from verifier_service.scheduler import Scheduler, Work
 from verifier_service.sessions import ADMISSION_GRACE_S, SessionTable
 from verifier_service.lean import packed_forward_for
-from verifier_service.prefix import PrefixCache
+from verifier_service.prefix import Prefilling, PrefixCache
 from verifier_service.slots import SlotStore
 from verifier_service.work import (BatchStats, ExportWork, ImportWork, PrefillResult, PrefillWork, ReleaseWork,
                                    TargetSession, VerifyResult, VerifyWork)
@@ -72,6 +72,7 @@ class TargetEngine:
         self._packed_forward = packed_forward_for(self.model, self.config.lean_forward)
         self._store = SlotStore(self.config.max_sessions, self.config.kv_grow_tokens)
         self._prefixes = PrefixCache(self.config.prefix_cache_tokens)
+        self._prefilling: list[PrefillWork] = []  # prompts being prefilled (model thread only)
         self._group_overhead = group_overhead_for(self.device, self.config.attention_group_overhead)
         self._sessions = SessionTable(self.config.max_sessions, self.config.max_queued_prefill_tokens)
         cfg = self.config
@@ -240,6 +241,7 @@ class TargetEngine:
         tick_start = time.perf_counter()
         rows: list[Row] = []
         owners: list[Work] = []
+        waiting: list[Work] = []  # prefills with no row this tick
         for work in works:
             session = work.session
             if isinstance(work, ReleaseWork):
@@ -260,15 +262,17 @@ class TargetEngine:
                     except ResourceExhausted as err:
                         self._fail(work, err)
                         continue
-                if work.done == 0 and not session.needs_hidden:  # its first tick: a kept prompt's start is copied
-                    reused = self._prefixes.restore(self._store, session.slot, work.token_ids)
-                    self.stats.prefix_tokens += reused
-                    work.copied = reused
-                    self._prefilled(work, reused)
+                budgeted = work.tokens > 0  # (what the scheduler counted for this tick)
+                if not work.started and not self._start_prefill(work):
+                    waiting.append(work)  # an in-flight prompt is computing the start they share
+                    continue
                 if work.done == len(work.token_ids):  # nothing (more) to cache: a one-token or a kept prompt
                     session.answered_at = time.perf_counter()
                     work.future.set_result(PrefillResult(session.committed_length, _ms_since(work.enqueued),
                                                          copied_tokens=work.copied))
+                    continue
+                if not budgeted:  # it waited for a shared start: its chunk goes in the next tick's token budget
+                    waiting.append(work)
                     continue
                 rows.append(prefill_row(session.slot, work.done, work.token_ids[work.done:work.done + work.tokens]))
                 owners.append(work)
@@ -280,7 +284,7 @@ class TargetEngine:
                     self.stats.think_ms += session.verify_arrived(work.enqueued) * 1e3
                     self.stats.thinks += 1
         self.stats.ticks += 1
-        continuing: list[Work] = []
+        continuing: list[Work] = waiting
         if not rows:
             return continuing
         by_slot = sorted(range(len(rows)), key=lambda b: rows[b].slot)  # contiguous slots: K/V views, no copy
@@ -405,6 +409,24 @@ class TargetEngine:
         moves.append((session.slot, session.cached_length, verdict.rows_to_keep))  # compacted at the tick's end
         session.token_ids.extend(verdict.committed_token_ids)
         return verdict
+
+    def _start_prefill(self, work: PrefillWork) -> bool:
+        """A prefill's start: the prompt's start shared with a kept prompt or one being prefilled now is copied
+        (``PrefixCache.share``). False: an in-flight prompt is still computing a longer shared start; it waits."""
+        self._prefilling = [w for w in self._prefilling if not w.future.done() and w.session.slot >= 0]
+        copied = 0
+        if not work.session.needs_hidden:  # (one that needs every position's hidden states computes them all)
+            live = [Prefilling(w.session.slot, w.token_ids, w.done) for w in self._prefilling]
+            copied = self._prefixes.share(self._store, work.session.slot, work.token_ids, live)
+            if copied is None:
+                work.tokens = 0  # nothing of this tick's token budget
+                return False
+        work.started = True
+        self._prefilling.append(work)
+        self.stats.prefix_tokens += copied
+        work.copied = copied
+        self._prefilled(work, copied)
+        return True
 
     def _prefilled(self, work: PrefillWork, cached: int) -> None:
         """``cached`` more prompt tokens are in the slot; the next chunk is sized."""

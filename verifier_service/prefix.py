@@ -7,18 +7,21 @@ with its next message. When a prompt's prefill is done its cached K/V are kept h
 device), least recently used first out once ``capacity`` tokens are held. A later prompt's longest common prefix
 with a kept one, if at least ``MIN_REUSE`` tokens, is copied into the new session's slot -- a memory copy, where
 computing those positions costs a forward of the whole model per chunk -- and its prefill goes on from there.
+Prompts that arrive together (a burst of sessions under one long system turn) share it the same way: a prompt whose
+start a prompt still being prefilled shares waits for that one's chunks to pass it, then copies it from that slot.
 
 The K/V of a position depend only on the tokens up to it, so the copied rows are what the new session's own
 prefill would compute, up to the floating-point order of a different chunking (a chunked prefill already differs
 from a one-shot one the same way; the parity tests check the tokens). Sessions that need every prompt position's
-hidden states (features for an EAGLE draft, Medusa) prefill in full. ``restore`` and ``keep`` run on the model
-thread; ``clear`` on any.
+hidden states (features for an EAGLE draft, Medusa) prefill in full. ``restore``, ``share`` and ``keep`` run on the
+model thread; ``clear`` on any.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 
@@ -26,6 +29,13 @@ from specsplit.kvcache import common_length
 from verifier_service.slots import SlotStore
 
 MIN_REUSE = 8  # shorter common prefixes (a BOS token, a template's first tokens) are computed: nothing to gain
+
+
+class Prefilling(NamedTuple):
+    """A prompt being prefilled now: ``slot`` holds the K/V of its first ``cached`` tokens."""
+    slot: int
+    token_ids: list[int]
+    cached: int
 
 
 class PrefixCache:
@@ -40,6 +50,30 @@ class PrefixCache:
         """Copy the K/V of ``token_ids``' longest kept prefix (if at least MIN_REUSE tokens) to positions [0, n) of
         ``slot``; returns n (0: nothing reused)."""
         with self._lock:
+            return self._restore(store, slot, token_ids)
+
+    def share(self, store: SlotStore, slot: int, token_ids: list[int], prefilling: list[Prefilling]) -> int | None:
+        """Copy into ``slot`` the longest start ``token_ids`` shares with a kept prompt or with one being prefilled
+        now (``prefilling``, whose slot holds its first ``cached`` positions); returns the tokens copied. None: a
+        prompt being prefilled shares at least MIN_REUSE more tokens than any kept one but has not computed them
+        yet -- wait for it (sessions that arrive together under one long system turn compute it once)."""
+        if self.capacity <= 0:
+            return 0
+        with self._lock:
+            kept = max((common_length(kept, token_ids) for kept in self._kept), default=0)
+            kept = kept if kept >= MIN_REUSE else 0
+            live, shared = None, 0
+            for other in prefilling:
+                n = common_length(other.token_ids, token_ids)
+                if n > shared:
+                    live, shared = other, n
+            if live is None or shared < MIN_REUSE or shared <= kept:
+                return self._restore(store, slot, token_ids)
+            if live.cached >= shared:
+                store.copy_prefix(live.slot, slot, shared)
+                return shared
+            if shared - kept >= MIN_REUSE:
+                return None
             return self._restore(store, slot, token_ids)
 
     def _restore(self, store: SlotStore, slot: int, token_ids: list[int]) -> int:

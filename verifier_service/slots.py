@@ -106,6 +106,11 @@ class SlotStore:
             keys[slot, :, :k.shape[1]] = k
             values[slot, :, :v.shape[1]] = v
 
+    def copy_prefix(self, source: int, slot: int, length: int) -> None:
+        """Copy positions ``[0, length)`` of slot ``source`` to the same positions of ``slot``. Model thread only."""
+        self.write_session(slot, [(k[source, :, :length], v[source, :, :length])  # [H_kv, L, D] each
+                                  for k, v in zip(self.keys, self.values)], self.keys[0].dtype, self.keys[0].device)
+
     def read(self, layer_idx: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[H_kv, length, D] keys and values of one slot (for tests and debugging)."""
         return self.keys[layer_idx][slot, :, :length], self.values[layer_idx][slot, :, :length]

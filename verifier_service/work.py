@@ -82,7 +82,7 @@ class PrefillResult(NamedTuple):
     prefill_ms: float
     features: Features | None = None  # the cached prompt positions' features, if asked
     proposal: TokenTree | None = None  # Medusa's tree for the first Verify, if asked
-    copied_tokens: int = 0  # prompt tokens copied from a kept prompt (verifier_service.prefix), not computed
+    copied_tokens: int = 0  # prompt tokens copied from another prompt's K/V (verifier_service.prefix), not computed
 
 
 @dataclass
@@ -94,7 +94,7 @@ class BatchStats:
     tokens: int = 0  # tokens through the forwards (packed: no padding)
     forward_ms: float = 0.0  # summed forward wall time
     prefill_ms: float = 0.0  # the prompt chunks' share of forward_ms (each row's cost share, batching.cost_shares)
-    prefix_tokens: int = 0  # prompt tokens whose K/V were copied from a kept prompt, not computed (prefix.py)
+    prefix_tokens: int = 0  # prompt tokens whose K/V were copied from another prompt's, not computed (prefix.py)
     think_ms: float = 0.0  # summed time from answering a session to its next Verify (what batch_wait_ms must cover)
     thinks: int = 0
 
@@ -108,7 +108,8 @@ class PrefillWork(Work):
     session: TargetSession | None = None
     token_ids: list[int] = field(default_factory=list)  # [P-1] what to cache: the prompt less its last token
     done: int = 0
-    copied: int = 0  # of them, copied from a kept prompt
+    copied: int = 0  # of them, copied from a kept prompt or one being prefilled (prefix.py)
+    started: bool = False  # its first tick has run (what it shares with other prompts is copied)
     hidden: list = field(default_factory=list)  # per chunk [C, H] final hidden states (features/Medusa only)
 
 

@@ -2,6 +2,8 @@
 exactly HF greedy's tokens: a shared system turn, a prompt kept whole, a conversation's next turn."""
 
 import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -60,6 +62,30 @@ def test_prompts_sharing_a_start_reuse_its_kv_and_keep_their_hf_greedy_tokens(ta
             assert engine.stats.prefix_tokens - before == reused, f"prompt {i}"
             if i == 2:
                 assert engine.stats.forwards - forwards <= NEW_TOKENS  # the Verify forwards only, no prompt chunk
+    finally:
+        engine.close()
+
+
+def test_sessions_arriving_together_under_one_system_turn_compute_it_once(target):
+    """A burst of new sessions sharing a long start: the first computes it, the others wait for its chunks to pass
+    the shared part and copy it from its slot; every session still gets HF greedy's tokens."""
+    rng = random.Random(2)
+    system = [rng.randrange(3, 256) for _ in range(48)]
+    prompts = [system + [rng.randrange(3, 256) for _ in range(6 + 3 * i)] for i in range(4)]
+    for prompt in prompts[1:]:
+        assert prompt[48] != prompts[0][48]  # (so each shares exactly the system turn with the others)
+    engine = TargetEngine(target, VerifierConfig(prefill_chunk=2))  # the first prompt's prefill takes 27 ticks
+    try:
+        start = threading.Barrier(len(prompts))
+
+        def run(i: int) -> list[int]:
+            start.wait()
+            return generate(engine, f"s{i}", prompts[i], hf_greedy(target.model, prompts[i], NEW_TOKENS + 4))
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            tokens = list(pool.map(run, range(len(prompts))))
+        assert tokens == [hf_greedy(target.model, prompt, NEW_TOKENS) for prompt in prompts]
+        assert engine.stats.prefix_tokens == 48 * (len(prompts) - 1)  # (with kept prompts only: 0, they all overlap)
     finally:
         engine.close()
 

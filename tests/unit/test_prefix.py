@@ -2,7 +2,7 @@
 
 import torch
 
-from verifier_service.prefix import MIN_REUSE, PrefixCache
+from verifier_service.prefix import MIN_REUSE, Prefilling, PrefixCache
 from verifier_service.slots import SlotStore
 
 LAYERS = 2
@@ -57,3 +57,27 @@ def test_least_recently_used_prompts_go_first_past_the_capacity():
     off = PrefixCache(capacity=0)
     off.keep(store, 0, a, LAYERS)
     assert off.held == 0 and off.restore(store, 1, a) == 0
+
+
+def test_a_start_shared_with_a_prompt_being_prefilled_is_copied_from_its_slot_once_computed():
+    store = store_with(0, 40, seed=6)  # slot 0: a prompt being prefilled, 40 of its positions cached so far
+    leader = list(range(500, 600))
+    cache = PrefixCache(capacity=200)
+    follower = leader[:50] + [7, 8]
+    assert cache.share(store, 2, follower, [Prefilling(0, leader, 40)]) is None  # 50 shared, 40 computed: wait
+    assert cache.share(store, 2, follower, [Prefilling(0, leader, 50)]) == 50
+    for layer in range(LAYERS):
+        assert torch.equal(store.read(layer, 2, 50)[0], store.read(layer, 0, 50)[0])
+        assert torch.equal(store.read(layer, 2, 50)[1], store.read(layer, 0, 50)[1])
+    assert cache.share(store, 2, leader[:MIN_REUSE - 1] + [7], [Prefilling(0, leader, 0)]) == 0  # too short to wait
+
+
+def test_a_kept_start_is_copied_at_once_unless_a_prompt_being_prefilled_shares_much_more():
+    store = store_with(0, 60, seed=7)
+    prompt = list(range(700, 760))
+    cache = PrefixCache(capacity=200)
+    cache.keep(store, 0, prompt[:30], LAYERS)
+    assert cache.share(store, 2, prompt[:35] + [1], [Prefilling(1, prompt, 0)]) == 30  # 5 more: not worth a wait
+    assert cache.share(store, 2, prompt[:50] + [1], [Prefilling(1, prompt, 0)]) is None  # 20 more: wait for it
+    assert cache.share(store, 2, prompt[:50] + [1], []) == 30
+    assert PrefixCache(capacity=0).share(store, 2, prompt[:50] + [1], [Prefilling(0, prompt, 60)]) == 0  # off
