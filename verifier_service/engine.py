@@ -73,6 +73,7 @@ class TargetEngine:
         self._store = SlotStore(self.config.max_sessions, self.config.kv_grow_tokens)
         self._prefixes = PrefixCache(self.config.prefix_cache_tokens)
         self._prefilling: list[PrefillWork] = []  # prompts being prefilled (model thread only)
+        self._parked: list[PrefillWork] = []  # new prompts waiting for one of those to compute their shared start
         self._group_overhead = group_overhead_for(self.device, self.config.attention_group_overhead)
         self._sessions = SessionTable(self.config.max_sessions, self.config.max_queued_prefill_tokens)
         cfg = self.config
@@ -92,6 +93,8 @@ class TargetEngine:
 
     def close(self) -> None:
         self._scheduler.close()
+        for work in self._parked:
+            work.future.set_exception(Unavailable("the verifier shut down before this request ran"))
 
     def clear_prefixes(self) -> None:
         """Forget the kept prompts' K/V (``verifier_service.prefix``): later prompts are computed whole."""
@@ -237,11 +240,22 @@ class TargetEngine:
 
     # -- the model thread ----------------------------------------------------------------------------
     def _tick(self, works: list[Work]) -> list[Work]:
-        """Run one tick: build a row per work, run the planned forwards, answer or continue each work."""
+        """Run one tick; then the parked prefills whose shared start is computed now (or whose session went)
+        continue, their first chunk in the next tick."""
+        continuing = self._run_tick(works)
+        parked, self._parked = self._parked, []
+        for work in parked:
+            if work.session.released or self._start_prefill(work):
+                continuing.append(work)
+            else:
+                self._parked.append(work)
+        return continuing
+
+    def _run_tick(self, works: list[Work]) -> list[Work]:
+        """Build a row per work, run the planned forwards, answer or continue each work."""
         tick_start = time.perf_counter()
         rows: list[Row] = []
         owners: list[Work] = []
-        waiting: list[Work] = []  # prefills with no row this tick
         for work in works:
             session = work.session
             if isinstance(work, ReleaseWork):
@@ -262,17 +276,13 @@ class TargetEngine:
                     except ResourceExhausted as err:
                         self._fail(work, err)
                         continue
-                budgeted = work.tokens > 0  # (what the scheduler counted for this tick)
                 if not work.started and not self._start_prefill(work):
-                    waiting.append(work)  # an in-flight prompt is computing the start they share
+                    self._parked.append(work)  # an in-flight prompt is computing the start they share
                     continue
                 if work.done == len(work.token_ids):  # nothing (more) to cache: a one-token or a kept prompt
                     session.answered_at = time.perf_counter()
                     work.future.set_result(PrefillResult(session.committed_length, _ms_since(work.enqueued),
                                                          copied_tokens=work.copied))
-                    continue
-                if not budgeted:  # it waited for a shared start: its chunk goes in the next tick's token budget
-                    waiting.append(work)
                     continue
                 rows.append(prefill_row(session.slot, work.done, work.token_ids[work.done:work.done + work.tokens]))
                 owners.append(work)
@@ -284,7 +294,7 @@ class TargetEngine:
                     self.stats.think_ms += session.verify_arrived(work.enqueued) * 1e3
                     self.stats.thinks += 1
         self.stats.ticks += 1
-        continuing: list[Work] = waiting
+        continuing: list[Work] = []
         if not rows:
             return continuing
         by_slot = sorted(range(len(rows)), key=lambda b: rows[b].slot)  # contiguous slots: K/V views, no copy
@@ -419,7 +429,6 @@ class TargetEngine:
             live = [Prefilling(w.session.slot, w.token_ids, w.done) for w in self._prefilling]
             copied = self._prefixes.share(self._store, work.session.slot, work.token_ids, live)
             if copied is None:
-                work.tokens = 0  # nothing of this tick's token budget
                 return False
         work.started = True
         self._prefilling.append(work)

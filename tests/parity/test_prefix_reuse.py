@@ -74,7 +74,9 @@ def test_sessions_arriving_together_under_one_system_turn_compute_it_once(target
     prompts = [system + [rng.randrange(3, 256) for _ in range(6 + 3 * i)] for i in range(4)]
     for prompt in prompts[1:]:
         assert prompt[48] != prompts[0][48]  # (so each shares exactly the system turn with the others)
-    engine = TargetEngine(target, VerifierConfig(prefill_chunk=2))  # the first prompt's prefill takes 27 ticks
+    # The first prompt's prefill takes 27 ticks; two works a tick: the prompts waiting for it must not take the
+    # places of the works that compute.
+    engine = TargetEngine(target, VerifierConfig(prefill_chunk=2, max_batch=2))
     try:
         start = threading.Barrier(len(prompts))
 
