@@ -12,9 +12,7 @@ gathers them into ticks on the one model thread; each tick's rows run as one pac
 answered with exactly its own result. Prefill is cached ``prefill_chunk`` tokens per tick, riding
 along with everyone's verification.
 
-A session's cache can also leave and arrive as bytes (``verifier_service.offload``): ExportSession
-copies its slot's cached positions, ImportSession writes them into a fresh slot (no forward). Both
-touch the slot store on the model thread only, as a tick's bookkeeping work, like Release.
+A session's cache can also leave and arrive as bytes (ExportSession, ImportSession: ``verifier_service.transfer``).
 
 A session may ask at Prefill for the target's *features* (final hidden states after the final norm,
 ``specsplit.features``) of every position it newly caches -- taken from the same forward, no extra
@@ -35,18 +33,18 @@ from opentelemetry import trace
 
 from specsplit.accept import Verdict, accept_greedy
 from specsplit.config import VerifierConfig
-from specsplit.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from specsplit.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from specsplit.features import Features
 from specsplit.models import LoadedModel
 from specsplit.sampling import SamplingParams, accept_sampled, distribution, round_seed
 from specsplit.tree import TokenTree
-from verifier_service import offload
 from verifier_service.batching import Row, cost_shares, group_overhead_for, pack_rows, prefill_row, verify_row
 from verifier_service.scheduler import Scheduler, Work
 from verifier_service.sessions import ADMISSION_GRACE_S, SessionTable
 from verifier_service.lean import packed_forward_for
 from verifier_service.prefix import Prefilling, PrefixCache
 from verifier_service.slots import SlotStore
+from verifier_service.transfer import KVTransfer, ms_since
 from verifier_service.work import (BatchStats, ExportWork, ImportWork, PrefillResult, PrefillWork, ReleaseWork,
                                    TargetSession, VerifyResult, VerifyWork)
 
@@ -55,7 +53,7 @@ tracer = trace.get_tracer(__name__)
 ACTIVE_WINDOW_S = 1.0  # a session answered longer ago than this is idle: no tick waits for it
 
 
-class TargetEngine:
+class TargetEngine(KVTransfer):
     def __init__(self, loaded: LoadedModel, config: VerifierConfig | None = None, medusa=None):
         """medusa: a ``verifier_service.medusa.MedusaProposer`` (None: no self-speculation)."""
         self.loaded = loaded
@@ -92,9 +90,10 @@ class TargetEngine:
         return len(self._sessions)
 
     def close(self) -> None:
-        self._scheduler.close()
+        self._scheduler.close()  # (the ticks run on until the works in flight are done, for up to 10 s)
         for work in self._parked:
-            work.future.set_exception(Unavailable("the verifier shut down before this request ran"))
+            if not work.future.done():
+                work.future.set_exception(Unavailable("the verifier shut down before this request ran"))
 
     def clear_prefixes(self) -> None:
         """Forget the kept prompts' K/V (``verifier_service.prefix``): later prompts are computed whole."""
@@ -195,49 +194,6 @@ class TargetEngine:
         return self._sessions.release(session_id, lambda session: self._scheduler.submit(
             ReleaseWork(session, 0, session=session)))
 
-    def export_session(self, session_id: str, expected_committed_length: int, dtype: str = "") -> bytes:
-        """The session's cached K/V (every committed token but the pending one) as bytes; it stays here."""
-        target = offload.target_dtype(dtype)
-        session = self.session(session_id)
-        with session.lock:
-            if session.released:
-                raise NotFound(f"session {session_id!r} was released")
-            if expected_committed_length != session.committed_length:
-                raise FailedPrecondition(f"session {session_id!r} has {session.committed_length} committed tokens, "
-                                         f"the export expected {expected_committed_length}")
-            with tracer.start_as_current_span("specsplit.verifier.export") as span:
-                span.set_attribute("specsplit.committed_length", session.committed_length)
-                # The copy is taken on the model thread, between forwards; serializing it is not.
-                layers = self._scheduler.submit(ExportWork(session, 0, session=session, dtype=target)).result()
-        return offload.layers_to_bytes(layers)
-
-    def import_session(self, session_id: str, token_ids: list[int], blob: bytes, sampling: SamplingParams | None = None,
-                       return_features: bool = False, medusa: bool = False) -> tuple[int, float]:
-        """A session from an exported cache: like Prefill of ``token_ids``, without the forward (so its
-        answer carries no features and no Medusa tree; later Verify answers do, if asked here)."""
-        start = time.perf_counter()
-        sampling = sampling or SamplingParams()
-        sampling.validate()
-        self._check_new(session_id, token_ids)
-        if offload.cached_length(blob) != len(token_ids) - 1:
-            raise InvalidArgument(f"KV blob caches {offload.cached_length(blob)} positions; {len(token_ids)} committed "
-                                  f"tokens need {len(token_ids) - 1} (all but the pending one)")
-        layers = offload.layers_from_bytes(blob, self._num_layers)
-        if medusa and self.medusa is None:
-            raise FailedPrecondition("this verifier has no Medusa heads (start it with --medusa PATH)")
-        session = self._sessions.admit(session_id, token_ids, sampling, 0)  # its lock held
-        session.return_features, session.medusa = return_features, medusa
-        try:
-            with tracer.start_as_current_span("specsplit.verifier.import") as span:
-                span.set_attribute("specsplit.committed_length", len(token_ids))
-                self._scheduler.submit(ImportWork(session, 0, session=session, layers=layers)).result()
-        except BaseException:
-            self.release(session_id)
-            raise
-        finally:
-            session.lock.release()
-        return session.committed_length, _ms_since(start)
-
     # -- the model thread ----------------------------------------------------------------------------
     def _tick(self, works: list[Work]) -> list[Work]:
         """Run one tick; then the parked prefills whose shared start is computed now (or whose session went)
@@ -281,7 +237,7 @@ class TargetEngine:
                     continue
                 if work.done == len(work.token_ids):  # nothing (more) to cache: a one-token or a kept prompt
                     session.answered_at = time.perf_counter()
-                    work.future.set_result(PrefillResult(session.committed_length, _ms_since(work.enqueued),
+                    work.future.set_result(PrefillResult(session.committed_length, ms_since(work.enqueued),
                                                          copied_tokens=work.copied))
                     continue
                 rows.append(prefill_row(session.slot, work.done, work.token_ids[work.done:work.done + work.tokens]))
@@ -309,7 +265,7 @@ class TargetEngine:
             for work in owners:
                 self._fail(work, err)
             return continuing
-        forward_ms = _ms_since(start)
+        forward_ms = ms_since(start)
         self.stats.forward_ms += forward_ms
         shares = cost_shares([len(r) for r in rows], self.config.forward_overhead_tokens, forward_ms)
         self.stats.prefill_ms += sum(share for share, work in zip(shares, owners) if isinstance(work, PrefillWork))
@@ -345,28 +301,8 @@ class TargetEngine:
                 self._fail(work, err)
                 continue
             work.session.answered_at = time.perf_counter()
-            work.future.set_result(VerifyResult(verdict, work.session.committed_length, _ms_since(work.enqueued),
+            work.future.set_result(VerifyResult(verdict, work.session.committed_length, ms_since(work.enqueued),
                                                 work.queue_ms, work.cost_ms, features, proposal))
-
-    def _move_kv(self, work: ExportWork | ImportWork) -> None:
-        """Copy a session's cached K/V out of its slot (export), or into a fresh slot (import)."""
-        session = work.session
-        try:
-            if isinstance(work, ExportWork):
-                result = self._store.read_session(session.slot, session.cached_length, self._num_layers, work.dtype)
-            else:
-                if session.slot < 0:
-                    session.slot = self._store.acquire()
-                try:
-                    self._store.write_session(session.slot, work.layers, self.dtype, self.device)
-                except RuntimeError as err:  # heads or head size differ: a blob of another model
-                    raise InvalidArgument(f"KV blob does not fit this model: {err}") from None
-                session.answered_at = time.perf_counter()
-                result = session.committed_length
-        except BaseException as err:
-            self._fail(work, err)
-            return
-        work.future.set_result(result)
 
     def _extras(self, session: TargetSession, start_position: int,
                 kept: torch.Tensor | None) -> tuple[Features | None, TokenTree | None]:
@@ -457,7 +393,7 @@ class TargetEngine:
             elif session.medusa:
                 proposal = TokenTree.empty()
             session.answered_at = time.perf_counter()
-            work.future.set_result(PrefillResult(session.committed_length, _ms_since(work.enqueued), features, proposal,
+            work.future.set_result(PrefillResult(session.committed_length, ms_since(work.enqueued), features, proposal,
                                                  work.copied))
 
     def _fail(self, work: Work, err: BaseException) -> None:
@@ -466,6 +402,3 @@ class TargetEngine:
             work.done = len(work.token_ids)
         work.future.set_exception(err)
 
-
-def _ms_since(start: float) -> float:
-    return (time.perf_counter() - start) * 1e3
