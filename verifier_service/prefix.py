@@ -13,8 +13,8 @@ start a prompt still being prefilled shares waits for that one's chunks to pass 
 The K/V of a position depend only on the tokens up to it, so the copied rows are what the new session's own
 prefill would compute, up to the floating-point order of a different chunking (a chunked prefill already differs
 from a one-shot one the same way; the parity tests check the tokens). Sessions that need every prompt position's
-hidden states (features for an EAGLE draft, Medusa) prefill in full. ``restore``, ``share`` and ``keep`` run on the
-model thread; ``clear`` on any.
+hidden states (features for an EAGLE draft, Medusa) prefill in full. ``share`` and ``keep`` run on the model thread;
+``clear`` on any.
 """
 
 from __future__ import annotations
@@ -46,43 +46,40 @@ class PrefixCache:
         self.held = 0  # tokens held
         self._lock = threading.Lock()  # (clear from another thread)
 
-    def restore(self, store: SlotStore, slot: int, token_ids: list[int]) -> int:
-        """Copy the K/V of ``token_ids``' longest kept prefix (if at least MIN_REUSE tokens) to positions [0, n) of
-        ``slot``; returns n (0: nothing reused)."""
-        with self._lock:
-            return self._restore(store, slot, token_ids)
-
     def share(self, store: SlotStore, slot: int, token_ids: list[int], prefilling: list[Prefilling]) -> int | None:
-        """Copy into ``slot`` the longest start ``token_ids`` shares with a kept prompt or with one being prefilled
-        now (``prefilling``, whose slot holds its first ``cached`` positions); returns the tokens copied. None: a
+        """Copy into positions [0, n) of ``slot`` the longest start ``token_ids`` shares (n at least MIN_REUSE) with a
+        kept prompt or with one being prefilled now (``prefilling``, whose slot holds its first ``cached``
+        positions); returns n (0: nothing copied). None: a
         prompt being prefilled shares at least MIN_REUSE more tokens than any kept one but has not computed them
         yet -- wait for it (sessions that arrive together under one long system turn compute it once)."""
         if self.capacity <= 0:
             return 0
         with self._lock:
-            kept = max((common_length(kept, token_ids) for kept in self._kept), default=0)
-            kept = kept if kept >= MIN_REUSE else 0
+            best, kept = self._longest_kept(token_ids)
             live, shared = None, 0
             for other in prefilling:
                 n = common_length(other.token_ids, token_ids)
                 if n > shared:
                     live, shared = other, n
-            if live is None or shared < MIN_REUSE or shared <= kept:
-                return self._restore(store, slot, token_ids)
-            if live.cached >= shared:
-                store.copy_prefix(live.slot, slot, shared)
-                return shared
-            if shared - kept >= MIN_REUSE:
-                return None
-            return self._restore(store, slot, token_ids)
+            if live is not None and shared >= MIN_REUSE and shared > kept:
+                if live.cached >= shared:
+                    store.copy_prefix(live.slot, slot, shared)
+                    return shared
+                if shared - kept >= MIN_REUSE:
+                    return None
+            return self._copy_kept(store, slot, best, kept)
 
-    def _restore(self, store: SlotStore, slot: int, token_ids: list[int]) -> int:
+    def _longest_kept(self, token_ids: list[int]) -> tuple[tuple[int, ...] | None, int]:
+        """The kept prompt sharing the longest start with ``token_ids`` and its length ((None, 0): under MIN_REUSE)."""
         best, length = None, 0
         for kept in self._kept:
             n = common_length(kept, token_ids)
             if n > length:
                 best, length = kept, n
-        if best is None or length < MIN_REUSE:
+        return (best, length) if length >= MIN_REUSE else (None, 0)
+
+    def _copy_kept(self, store: SlotStore, slot: int, best: tuple[int, ...] | None, length: int) -> int:
+        if best is None:
             return 0
         self._kept.move_to_end(best)
         layers = self._kept[best]

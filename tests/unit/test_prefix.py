@@ -23,12 +23,12 @@ def test_the_longest_common_start_is_copied_into_the_new_slot():
     kept = list(range(100, 130))
     cache.keep(source, 0, kept, LAYERS)
     target = store_with(3, 1, seed=2)
-    assert cache.restore(target, 3, kept[:25] + [7, 8, 9]) == 25
+    assert cache.share(target, 3, kept[:25] + [7, 8, 9], []) == 25
     for layer in range(LAYERS):
         assert torch.equal(target.read(layer, 3, 25)[0], source.read(layer, 0, 25)[0])
         assert torch.equal(target.read(layer, 3, 25)[1], source.read(layer, 0, 25)[1])
-    assert cache.restore(target, 3, kept[:MIN_REUSE - 1] + [7]) == 0  # too short to bother
-    assert cache.restore(target, 3, [1] + kept) == 0  # the start differs
+    assert cache.share(target, 3, kept[:MIN_REUSE - 1] + [7], []) == 0  # too short to bother
+    assert cache.share(target, 3, [1] + kept, []) == 0  # the start differs
 
 
 def test_a_prompt_already_held_adds_nothing_and_a_longer_one_replaces_it():
@@ -47,16 +47,17 @@ def test_least_recently_used_prompts_go_first_past_the_capacity():
     a, b, c = ([base + i for i in range(30)] for base in (1000, 2000, 3000))
     cache.keep(store, 0, a, LAYERS)
     cache.keep(store, 0, b, LAYERS)
-    assert cache.restore(store, 1, a) == 30  # a is used again: b is now the oldest
+    assert cache.share(store, 1, a, []) == 30  # a is used again: b is now the oldest
     cache.keep(store, 0, c, LAYERS)
     assert cache.held == 60
-    assert cache.restore(store, 1, b) == 0 and cache.restore(store, 1, a) == 30 and cache.restore(store, 1, c) == 30
+    assert cache.share(store, 1, b, []) == 0 and cache.share(store, 1, a, []) == 30
+    assert cache.share(store, 1, c, []) == 30
     long = [4000 + i for i in range(80)]
     cache.keep(store_with(0, 80, seed=5), 0, long, LAYERS)  # longer than the whole capacity: its start is kept
-    assert cache.held == 70 and cache.restore(store, 1, long) == 70
+    assert cache.held == 70 and cache.share(store, 1, long, []) == 70
     off = PrefixCache(capacity=0)
     off.keep(store, 0, a, LAYERS)
-    assert off.held == 0 and off.restore(store, 1, a) == 0
+    assert off.held == 0 and off.share(store, 1, a, []) == 0
 
 
 def test_a_start_shared_with_a_prompt_being_prefilled_is_copied_from_its_slot_once_computed():
