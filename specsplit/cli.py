@@ -123,8 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefix-cache-tokens", type=int, default=2048,
                        help="verifier: prompt tokens whose K/V are kept after their prefill; a later prompt that "
                             "starts the same way (a system turn, a conversation's earlier turns) copies them "
-                            "instead of computing them (default 2048; a token costs 2 x layers x KV heads x head "
-                            "size x dtype bytes, SmolLM2 in float32 46 KB; 0: off)")
+                            "instead of computing them, and prompts arriving together share their common start "
+                            "(default 2048; a token costs 2 x layers x KV heads x head size x dtype bytes, SmolLM2 "
+                            "in float32 46 KB; 0: off, every prompt computed whole)")
     serve.add_argument("--hf-forward", action="store_true",
                        help="verifier: run batched forwards through the model's own Hugging Face forward (module "
                             "hooks fire) instead of the lean forward a Llama-architecture target gets by default "

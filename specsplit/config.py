@@ -39,7 +39,8 @@ class VerifierConfig:
     # operations without HF's per-module host work (bit-identical logits). False: through the model's forward.
     lean_forward: bool = True
     # Prompt tokens whose K/V are kept after their prefill, so a later prompt that starts the same way (a system
-    # turn, an earlier turn of the conversation) copies them instead of computing them (verifier_service.prefix).
+    # turn, an earlier turn of the conversation) copies them instead of computing them, and prompts arriving
+    # together share their common start (verifier_service.prefix).
     # Memory: 2 x layers x KV heads x head size x dtype bytes a token (SmolLM2 in float32: 46 KB). 0: off.
     prefix_cache_tokens: int = 2048
 
