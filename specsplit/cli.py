@@ -35,6 +35,14 @@ DRAFT_HELP = ("drafter: auto (a --draft-model if given; else the shipped eagle, 
               "edits keep most of lookup's gains), eagle (EAGLE-style feature drafter; --draft-artifact or the shipped one), "
               "eagle+ngram (its tree merged with the n-gram lookup's), medusa (the verifier's own Medusa heads, "
               "no draft service; --medusa or the shipped ones), medusa+ngram, none (target only)")
+SERVE_DESCRIPTION = """\
+Run one service until SIGTERM/SIGINT. Every address also comes from SPECSPLIT_* variables; every server
+serves grpc.health.v1 and reflection. `specsplit serve SERVICE --help` lists that service's flags.
+
+  specsplit serve verifier --listen 0.0.0.0:50052 --device cuda            # the GPU box
+  specsplit serve draft --listen 0.0.0.0:50053 --draft half+ngram         # the edge box
+  specsplit serve orchestrator --listen 0.0.0.0:50051 --verifier gpu:50052 --drafts edge:50053
+"""
 DRAFTS = ["auto", "ngram", "model", "half", "half+ngram", "eagle", "eagle+ngram", "medusa", "medusa+ngram", "none"]
 
 
@@ -51,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text for a prompt and print speed statistics",
                          description="Generate text. With no --orchestrator, starts draft, verifier and orchestrator "
                                      "in this process on loopback ports (real gRPC).")
+    _verbose_flag(gen)
     gen.add_argument("prompt", help="the prompt (goes through the chat template unless --no-chat-template)")
     gen.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate at most (default 256)")
     gen.add_argument("--draft", choices=DRAFTS, default="auto", help=DRAFT_HELP)
@@ -75,65 +84,110 @@ def build_parser() -> argparse.ArgumentParser:
     _draft_flags(gen)
     _tree_flags(gen)
 
-    serve = sub.add_parser("serve", help="run one service until interrupted",
-                           description="Run one service. Addresses come from flags or SPECSPLIT_* variables.")
-    serve.add_argument("service", choices=["draft", "verifier", "orchestrator"])
-    serve.add_argument("--listen", default=_env("SPECSPLIT_LISTEN", "127.0.0.1:50051"),
-                       help="address to bind (env SPECSPLIT_LISTEN; default 127.0.0.1:50051)")
-    serve.add_argument("--target-model", default=_env("SPECSPLIT_TARGET_MODEL"),
-                       help="verifier: the target model; orchestrator: its tokenizer (default: SmolLM2-135M-Instruct)")
-    serve.add_argument("--draft", choices=["ngram", "model", "half", "half+ngram", "eagle", "eagle+ngram"], default="ngram",
-                       help="draft service: which drafter (half: the --target-model at --draft-dtype; eagle: needs the target's embedding, read from "
-                            "--target-model, and refuses an artifact trained for another target)")
-    serve.add_argument("--draft-artifact", default=_env("SPECSPLIT_DRAFT_ARTIFACT"),
-                       help="draft service: eagle artifact directory (default: the shipped one for --target-model)")
-    serve.add_argument("--medusa", default=_env("SPECSPLIT_MEDUSA"),
-                       help="verifier: Medusa heads artifact directory, for sessions asking --draft medusa "
-                            "('shipped': the shipped one for the target; default: none)")
-    serve.add_argument("--draft-model", default=_env("SPECSPLIT_DRAFT_MODEL"), help="draft service: the draft model")
-    serve.add_argument("--verifier", default=_env("SPECSPLIT_VERIFIER"),
-                       help="orchestrator: HOST:PORT of the verifier (env SPECSPLIT_VERIFIER)")
-    serve.add_argument("--verifiers", default=_env("SPECSPLIT_VERIFIERS", ""),
-                       help="orchestrator: comma-separated HOST:PORT of verifier replicas (env SPECSPLIT_VERIFIERS); "
-                            "a session moves to another replica when its replica dies")
-    serve.add_argument("--redis-url", default=_env("SPECSPLIT_REDIS_URL", ""),
-                       help="orchestrator: session store, e.g. redis://HOST:6379/0 (env SPECSPLIT_REDIS_URL); "
-                            "orchestrators sharing it can resume each other's sessions (default: in-process)")
-    serve.add_argument("--store-retry-s", type=float, default=float(_env("SPECSPLIT_STORE_RETRY_S", "5")),
-                       help="orchestrator: how long a session-store call retries while Redis is unreachable "
-                            "before the stream fails with UNAVAILABLE (default 5)")
-    serve.add_argument("--idle-timeout", type=float, default=float(_env("SPECSPLIT_IDLE_TIMEOUT", "300")),
-                       help="verifier/draft: free a session untouched for this many seconds (its orchestrator "
-                            "vanished; default 300; 0: never)")
-    serve.add_argument("--drafts", default=_env("SPECSPLIT_DRAFTS", ""),
-                       help="orchestrator: comma-separated HOST:PORT of draft services, 'auto' preference first "
-                            "(env SPECSPLIT_DRAFTS; empty: target-only)")
-    serve.add_argument("--max-tree-nodes", type=int, default=64, help="verifier/draft: largest tree (default 64)")
-    serve.add_argument("--max-sessions", type=int, default=256, help="verifier: concurrent sessions (default 256)")
-    serve.add_argument("--max-batch", type=int, default=32,
-                       help="verifier: sessions verified in one batch (default 32; 1 = one request at a time)")
-    serve.add_argument("--batch-wait-ms", type=float, default=40.0,
-                       help="verifier: how long a batch waits at most for its other active sessions (default 40)")
-    serve.add_argument("--max-batch-tokens", type=int, default=512,
-                       help="verifier: tokens per batch (default 512, ~1 s of SmolLM2 on 2 CPU cores; a GPU's forward "
-                            "costs the same up to thousands of tokens: the H200 bench used 4096)")
-    serve.add_argument("--prefill-chunk", type=int, default=128,
-                       help="verifier: prompt tokens cached per batch, so a long prompt never stalls everyone's "
-                            "verification (default 128; the H200 bench used 512)")
-    serve.add_argument("--prefix-cache-tokens", type=int, default=2048,
-                       help="verifier: prompt tokens whose K/V are kept after their prefill; a later prompt that "
-                            "starts the same way (a system turn, a conversation's earlier turns) copies them "
-                            "instead of computing them, and prompts arriving together share their common start "
-                            "(default 2048; a token costs 2 x layers x KV heads x head size x dtype bytes, SmolLM2 "
-                            "in float32 46 KB; 0: off, every prompt computed whole)")
-    serve.add_argument("--hf-forward", action="store_true",
-                       help="verifier: run batched forwards through the model's own Hugging Face forward (module "
-                            "hooks fire) instead of the lean forward a Llama-architecture target gets by default "
-                            "(same weights and operations, bit-identical logits, less host work per forward)")
-    _model_flags(serve)
-    _draft_flags(serve)
-    _tree_flags(serve)
+    serve = sub.add_parser("serve", help="run one service until interrupted (verifier, draft or orchestrator)",
+                           description=SERVE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    services = serve.add_subparsers(dest="service", required=True, metavar="{verifier,draft,orchestrator}")
+    verifier = services.add_parser("verifier", help="the target model: verifies token trees, many sessions per forward "
+                                   "(the GPU box)", description="Serve VerifierService: prefill, batched tree "
+                                   "verification and decode bursts on the target model. Stops on SIGTERM/SIGINT after "
+                                   "draining in-flight calls (5 s).")
+    _listen_flag(verifier, 50052)
+    verifier.add_argument("--target-model", default=_env("SPECSPLIT_TARGET_MODEL"),
+                          help="local HF causal LM directory (env SPECSPLIT_TARGET_MODEL; default: SmolLM2-135M-Instruct)")
+    verifier.add_argument("--medusa", default=_env("SPECSPLIT_MEDUSA"),
+                          help="Medusa heads artifact directory, for sessions asking --draft medusa ('shipped': the "
+                               "shipped one for the target; default: none)")
+    _model_flags(verifier)
+    batching = verifier.add_argument_group("batching and admission")
+    batching.add_argument("--max-sessions", type=int, default=256,
+                          help="concurrent sessions; past it a new session gets RESOURCE_EXHAUSTED at once (default 256)")
+    batching.add_argument("--max-batch", type=int, default=32,
+                          help="sessions verified in one batch (default 32; 1 = one request at a time)")
+    batching.add_argument("--batch-wait-ms", type=float, default=40.0,
+                          help="how long a batch waits at most for its other active sessions (default 40)")
+    batching.add_argument("--max-batch-tokens", type=int, default=512,
+                          help="tokens per batch (default 512, ~1 s of SmolLM2 on 2 CPU cores; a GPU's forward "
+                               "costs the same up to thousands of tokens: the H200 bench used 4096)")
+    batching.add_argument("--prefill-chunk", type=int, default=128,
+                          help="prompt tokens cached per batch, so a long prompt never stalls everyone's "
+                               "verification (default 128; the H200 bench used 512)")
+    batching.add_argument("--prefix-cache-tokens", type=int, default=2048,
+                          help="prompt tokens whose K/V are kept after their prefill; a later prompt that "
+                               "starts the same way (a system turn, a conversation's earlier turns) copies them "
+                               "instead of computing them, and prompts arriving together share their common start "
+                               "(default 2048; a token costs 2 x layers x KV heads x head size x dtype bytes, SmolLM2 "
+                               "in float32 46 KB; 0: off, every prompt computed whole)")
+    batching.add_argument("--max-tree-nodes", type=int, default=64, help="largest tree a Verify may send (default 64)")
+    batching.add_argument("--hf-forward", action="store_true",
+                          help="run batched forwards through the model's own Hugging Face forward (module "
+                               "hooks fire) instead of the lean forward a Llama-architecture target gets by default "
+                               "(same weights and operations, bit-identical logits, less host work per forward)")
+    _idle_flag(verifier)
+
+    draft = services.add_parser("draft", help="the drafter: proposes and streams token trees (the edge box)",
+                                description="Serve DraftService: token trees from n-gram lookup, a small model, the "
+                                            "target at half precision or an EAGLE feature drafter. Stops on "
+                                            "SIGTERM/SIGINT after draining in-flight calls (5 s).")
+    _listen_flag(draft, 50053)
+    draft.add_argument("--draft", choices=["ngram", "model", "half", "half+ngram", "eagle", "eagle+ngram"],
+                       default="ngram",
+                       help="which drafter (default ngram; half: the --target-model at --draft-dtype; eagle: needs "
+                            "the target's embedding, read from --target-model, and refuses an artifact trained for "
+                            "another target)")
+    draft.add_argument("--draft-model", default=_env("SPECSPLIT_DRAFT_MODEL"),
+                       help="--draft model: local HF causal LM directory (same tokenizer as the target)")
+    draft.add_argument("--draft-artifact", default=_env("SPECSPLIT_DRAFT_ARTIFACT"),
+                       help="--draft eagle: artifact directory (default: the shipped one for --target-model)")
+    draft.add_argument("--target-model", default=_env("SPECSPLIT_TARGET_MODEL"),
+                       help="the target model (half, eagle; env SPECSPLIT_TARGET_MODEL; default: SmolLM2-135M-Instruct)")
+    draft.add_argument("--max-tree-nodes", type=int, default=64, help="largest tree (default 64)")
+    _idle_flag(draft)
+    _model_flags(draft)
+    _draft_flags(draft)
+
+    orch = services.add_parser("orchestrator", help="runs the draft/verify loop and streams text to clients",
+                               description="Serve OrchestratorService: the propose/verify/accept loop per session, "
+                                           "text streamed to clients. Put it next to the draft (edge) or next to the "
+                                           "clients; several sharing one --redis-url resume each other's sessions. "
+                                           "Stops on SIGTERM/SIGINT after draining in-flight calls (5 s).")
+    _listen_flag(orch, 50051)
+    orch.add_argument("--verifier", default=_env("SPECSPLIT_VERIFIER"),
+                      help="HOST:PORT of the verifier (env SPECSPLIT_VERIFIER)")
+    orch.add_argument("--verifiers", default=_env("SPECSPLIT_VERIFIERS", ""),
+                      help="comma-separated HOST:PORT of verifier replicas (env SPECSPLIT_VERIFIERS); a session "
+                           "moves to another replica when its replica dies")
+    orch.add_argument("--drafts", default=_env("SPECSPLIT_DRAFTS", ""),
+                      help="comma-separated HOST:PORT of draft services, 'auto' preference first (env "
+                           "SPECSPLIT_DRAFTS; empty: target-only)")
+    orch.add_argument("--target-model", default=_env("SPECSPLIT_TARGET_MODEL"),
+                      help="the target model, for its tokenizer and chat template (env SPECSPLIT_TARGET_MODEL; "
+                           "default: SmolLM2-135M-Instruct)")
+    orch.add_argument("--redis-url", default=_env("SPECSPLIT_REDIS_URL", ""),
+                      help="session store, e.g. redis://HOST:6379/0 (env SPECSPLIT_REDIS_URL); orchestrators "
+                           "sharing it can resume each other's sessions (default: in-process)")
+    orch.add_argument("--store-retry-s", type=float, default=float(_env("SPECSPLIT_STORE_RETRY_S", "5")),
+                      help="how long a session-store call retries while Redis is unreachable before the stream "
+                           "fails with UNAVAILABLE (default 5)")
+    _tree_flags(orch)
     return parser
+
+
+def _verbose_flag(parser: argparse.ArgumentParser) -> None:
+    """-v also after the subcommand (SUPPRESS: an absent one leaves the top-level value alone)."""
+    parser.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log progress to stderr")
+
+
+def _listen_flag(parser: argparse.ArgumentParser, port: int) -> None:
+    _verbose_flag(parser)
+    parser.add_argument("--listen", default=_env("SPECSPLIT_LISTEN", f"127.0.0.1:{port}"),
+                        help=f"HOST:PORT to bind (env SPECSPLIT_LISTEN; default 127.0.0.1:{port}; 0.0.0.0:{port} "
+                             "for other machines; port 0: any free port, printed at start)")
+
+
+def _idle_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--idle-timeout", type=float, default=float(_env("SPECSPLIT_IDLE_TIMEOUT", "300")),
+                        help="free a session untouched for this many seconds (its orchestrator vanished; default "
+                             "300; 0: never)")
 
 
 def _tree_flags(parser: argparse.ArgumentParser) -> None:
@@ -250,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     _quiet_transformers()
-    if args.threads:
+    if getattr(args, "threads", 0):
         import torch
 
         torch.set_num_threads(args.threads)

@@ -66,6 +66,20 @@ def test_help_teaches():
     assert "half (the target's own weights at the 16-bit precision measured fastest" in text and "--draft-threads" in text
 
 
+
+def test_each_service_has_its_own_flags():
+    helps = {service: " ".join(cli("serve", service, "--help").stdout.split())
+             for service in ("verifier", "draft", "orchestrator")}
+    assert "--max-batch" in helps["verifier"] and "--max-batch" not in helps["orchestrator"]
+    assert "--redis-url" in helps["orchestrator"] and "--redis-url" not in helps["verifier"]
+    assert "--draft-dtype" in helps["draft"] and "--draft-dtype" not in helps["verifier"]
+    assert "default 127.0.0.1:50052" in helps["verifier"] and "default 127.0.0.1:50051" in helps["orchestrator"]
+    wrong = cli("serve", "orchestrator", "--max-batch", "4")  # a verifier flag: refused, not ignored
+    assert wrong.returncode == 2 and "unrecognized arguments: --max-batch" in wrong.stderr
+    missing = cli("serve")
+    assert missing.returncode == 2 and "verifier,draft,orchestrator" in missing.stderr
+
+
 def _serve(*args):
     env = dict(os.environ, HF_HUB_OFFLINE="1", SPECSPLIT_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "specsplit.cli", "serve", *args, "--listen", "127.0.0.1:0"],
