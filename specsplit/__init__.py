@@ -1,6 +1,7 @@
 """specsplit: speculative decoding split across machines.
 
-The client SDK is importable from the top level: ``specsplit.Client`` and ``specsplit.AsyncClient``.
+The client SDK is importable from the top level: ``specsplit.Client`` and ``specsplit.AsyncClient``
+(``specsplit.TLS`` for an orchestrator serving TLS).
 """
 
 import os
@@ -20,4 +21,8 @@ def __getattr__(name: str):
         from specsplit import client
 
         return getattr(client, name)
+    if name == "TLS":
+        from specsplit.tls import TLS
+
+        return TLS
     raise AttributeError(name)

@@ -83,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(gen)
     _draft_flags(gen)
     _tree_flags(gen)
+    _tls_flags(gen, serves=False, calls=True)
 
     serve = sub.add_parser("serve", help="run one service until interrupted (verifier, draft or orchestrator)",
                            description=SERVE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -123,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "hooks fire) instead of the lean forward a Llama-architecture target gets by default "
                                "(same weights and operations, bit-identical logits, less host work per forward)")
     _idle_flag(verifier)
+    _tls_flags(verifier, serves=True, calls=False)
 
     draft = services.add_parser("draft", help="the drafter: proposes and streams token trees (the edge box)",
                                 description="Serve DraftService: token trees from n-gram lookup, a small model, the "
@@ -144,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     _idle_flag(draft)
     _model_flags(draft)
     _draft_flags(draft)
+    _tls_flags(draft, serves=True, calls=False)
 
     orch = services.add_parser("orchestrator", help="runs the draft/verify loop and streams text to clients",
                                description="Serve OrchestratorService: the propose/verify/accept loop per session, "
@@ -169,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="how long a session-store call retries while Redis is unreachable before the stream "
                            "fails with UNAVAILABLE (default 5)")
     _tree_flags(orch)
+    _tls_flags(orch, serves=True, calls=True)
     return parser
 
 
@@ -182,6 +186,25 @@ def _listen_flag(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--listen", default=_env("SPECSPLIT_LISTEN", f"127.0.0.1:{port}"),
                         help=f"HOST:PORT to bind (env SPECSPLIT_LISTEN; default 127.0.0.1:{port}; 0.0.0.0:{port} "
                              "for other machines; port 0: any free port, printed at start)")
+
+
+def _tls_flags(parser: argparse.ArgumentParser, serves: bool, calls: bool) -> None:
+    """--tls-*: PEM files; each flag's default is its SPECSPLIT_TLS_* variable (read in ``TLS.from_env``)."""
+    group = parser.add_argument_group(
+        "TLS (off by default; PEM files, or the SPECSPLIT_TLS_* variables)",
+        ("Serve TLS with a certificate; add --tls-client-ca to demand client certificates (mutual TLS). "
+         if serves else "") +
+        ("Call servers over TLS with --tls-ca; a --tls-cert/--tls-key pair is then presented as this process's "
+         "client certificate." if calls else ""))
+    own = "this server's certificate chain" if serves else "the client certificate to present (mutual TLS)"
+    group.add_argument("--tls-cert", help=f"{own} (env SPECSPLIT_TLS_CERT)")
+    group.add_argument("--tls-key", help="the private key of --tls-cert (env SPECSPLIT_TLS_KEY)")
+    if calls:
+        group.add_argument("--tls-ca", help="roots the server's certificate must chain to; 'system': the system's "
+                                            "roots (env SPECSPLIT_TLS_CA; default: plaintext)")
+    if serves:
+        group.add_argument("--tls-client-ca",
+                           help="demand a client certificate chaining to these roots (env SPECSPLIT_TLS_CLIENT_CA)")
 
 
 def _idle_flag(parser: argparse.ArgumentParser) -> None:
@@ -336,8 +359,16 @@ def generate(args) -> int:
 
     setup_tracing("specsplit-cli")
     stack = None
+    tls = None
     if args.orchestrator:
+        from specsplit.tls import TLS
+
         address = args.orchestrator
+        tls = TLS.from_env(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
+    elif args.tls_ca or args.tls_cert or args.tls_key:
+        from specsplit.errors import InvalidArgument
+
+        raise InvalidArgument("--tls-* flags are for a remote --orchestrator (the embedded stack talks over loopback)")
     else:
         from specsplit.launch import DraftProcess, default_proposers, load_model, start_stack
 
@@ -369,7 +400,7 @@ def generate(args) -> int:
     finish = ""
     try:
         addresses = _addresses(address)
-        with Client(addresses) as client:
+        with Client(addresses, tls=tls) as client:
             start = time.perf_counter()
             stream = client.generate(args.prompt, max_new_tokens=args.max_new_tokens, stop=args.stop,
                                      draft=args.draft, chat_template=not args.no_chat_template,
@@ -425,11 +456,13 @@ def generate(args) -> int:
 
 
 def serve(args) -> int:
-    from specsplit import launch
+    from specsplit import launch, tls
     from specsplit.config import VerifierConfig
     from specsplit.telemetry import setup_tracing
 
     setup_tracing(f"specsplit-{args.service}")
+    tls.configure(tls.TLS.from_env(cert=args.tls_cert, key=args.tls_key, ca=getattr(args, "tls_ca", None),
+                                   client_ca=args.tls_client_ca))
     if args.service == "verifier":
         target = launch.load_model(args.target_model, args.device, args.dtype)
         config = VerifierConfig(max_tree_nodes=args.max_tree_nodes, max_sessions=args.max_sessions,
@@ -462,7 +495,8 @@ def serve(args) -> int:
             store.retry_s = args.store_retry_s
         server = launch.start_orchestrator(verifiers, _addresses(args.drafts), launch.load_tokenizer(args.target_model),
                                            args.listen, _tree_config(args), store)
-    print(f"specsplit {args.service} serving on {server.address}", file=sys.stderr, flush=True)
+    secure = " (TLS)" if server.tls else ""  # the address stays the line's last word
+    print(f"specsplit {args.service}{secure} serving on {server.address}", file=sys.stderr, flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

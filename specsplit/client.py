@@ -22,6 +22,7 @@ import grpc
 
 from specsplit.rpc import chunk_from_pb, generate_request_to_pb
 from specsplit.serving import CHANNEL_OPTIONS, open_channel
+from specsplit.tls import TLS
 from specsplit.stream import Chunk, RoundStats  # noqa: F401  (re-exported for SDK users)
 from specsplit.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
@@ -112,10 +113,13 @@ class ResumableStream(GenerateStream):
 
 
 class Client:
-    def __init__(self, address: str | Sequence[str], timeout: float | None = 600.0, reconnect_s: float = 30.0):
+    def __init__(self, address: str | Sequence[str], timeout: float | None = 600.0, reconnect_s: float = 30.0,
+                 tls: TLS | None = None):
         """address: host:port of an orchestrator, or several that share a session store (a ``resume=True``
         generation moves between them); timeout: default deadline of a whole generation (s);
-        reconnect_s: how long a resumable generation keeps trying to reconnect after a failure."""
+        reconnect_s: how long a resumable generation keeps trying to reconnect after a failure;
+        tls: ``specsplit.TLS(ca=...)`` for an orchestrator serving TLS (plus ``cert``/``key`` for mutual TLS)."""
+        self.tls = tls or TLS()
         self.addresses = [address] if isinstance(address, str) else list(address)
         if not self.addresses:
             raise ValueError("no orchestrator address given")
@@ -126,7 +130,7 @@ class Client:
 
     def _stub(self, index: int) -> orchestrator_pb2_grpc.OrchestratorServiceStub:
         if index not in self._channels:
-            self._channels[index] = open_channel(self.addresses[index])
+            self._channels[index] = open_channel(self.addresses[index], self.tls)
         return orchestrator_pb2_grpc.OrchestratorServiceStub(self._channels[index])
 
     def generate(self, prompt: str = "", *, messages: Sequence[dict] | None = None,
@@ -161,13 +165,18 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, address: str, timeout: float | None = 600.0):
+    def __init__(self, address: str, timeout: float | None = 600.0, tls: TLS | None = None):
         from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS,
-                                                  interceptors=aio_client_interceptors())
+        tls = tls or TLS()
+        if tls.calls:
+            self._channel = grpc.aio.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS,
+                                                    interceptors=aio_client_interceptors())
+        else:
+            self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS,
+                                                      interceptors=aio_client_interceptors())
         self._stub = orchestrator_pb2_grpc.OrchestratorServiceStub(self._channel)
 
     async def generate(self, prompt: str = "", *, messages: Sequence[dict] | None = None,

@@ -121,7 +121,10 @@ class DraftProcess:
 
     def __init__(self, args: list[str], timeout_s: float = 300.0):
         self.threads = int(args[args.index("--threads") + 1]) if "--threads" in args else 0  # its torch threads
-        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        from specsplit.tls import ENV as TLS_ENV
+
+        # Plaintext on loopback, as the stack's other servers (a deployment's SPECSPLIT_TLS_* are not for it).
+        env = {k: v for k, v in os.environ.items() if k not in TLS_ENV.values()} | {"HF_HUB_OFFLINE": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "specsplit.cli", "serve", "draft", "--listen",
                                       "127.0.0.1:0", *args], stderr=subprocess.PIPE, text=True, env=env)
         self._log: collections.deque[str] = collections.deque(maxlen=40)  # its last stderr lines, for errors

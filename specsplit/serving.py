@@ -13,6 +13,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specsplit.errors import SpecSplitError
+from specsplit.tls import TLS
+from specsplit.tls import current as current_tls
 
 log = logging.getLogger(__name__)
 
@@ -119,17 +121,24 @@ class _ClientTracing(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInt
         return call
 
 
-def open_channel(address: str) -> grpc.Channel:
-    """A client channel with specsplit's options, propagating trace context on every call."""
-    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+def open_channel(address: str, tls: TLS | None = None) -> grpc.Channel:
+    """A client channel with specsplit's options, propagating trace context on every call; TLS when ``tls``
+    (default: this process's, ``specsplit.tls.configure``) has a CA."""
+    tls = tls or current_tls()
+    if tls.calls:
+        channel = grpc.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)
+    else:
+        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     return grpc.intercept_channel(channel, _ClientTracing())
 
 
 class Server:
     """A started gRPC server with health and reflection; ``stop`` flips health then drains."""
 
-    def __init__(self, address: str, services: list[tuple[object, callable, str]], max_workers: int = 32):
-        """services: (servicer, add_XServicer_to_server, full service name)."""
+    def __init__(self, address: str, services: list[tuple[object, callable, str]], max_workers: int = 32,
+                 tls: TLS | None = None):
+        """services: (servicer, add_XServicer_to_server, full service name); tls: default this process's
+        (``specsplit.tls.configure``): TLS only when it has a certificate."""
         self.core = None  # the domain object behind the servicer, for in-process owners (tests, embedding)
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers),
@@ -143,7 +152,12 @@ class Server:
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.grpc_server)
-        self.port = self.grpc_server.add_insecure_port(address)
+        tls = tls or current_tls()
+        self.tls = tls.serves
+        if tls.serves:
+            self.port = self.grpc_server.add_secure_port(address, tls.server_credentials())
+        else:
+            self.port = self.grpc_server.add_insecure_port(address)
         if self.port == 0:
             raise RuntimeError(f"could not bind {address}")
         host = address.rsplit(":", 1)[0]

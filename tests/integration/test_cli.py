@@ -1,10 +1,11 @@
-"""The `specsplit` command: embedded generate --json, and the three services as separate processes."""
+"""The `specsplit` command: embedded generate --json, and the three services as separate processes (also over TLS)."""
 
 import json
 import os
 import subprocess
 import sys
 
+from pki import make_pki
 from tiny import hf_greedy
 
 JSON_KEYS = {"prompt_token_ids", "token_ids", "text", "rounds", "mean_accepted_tokens", "tokens_per_second",
@@ -111,6 +112,43 @@ def test_services_as_separate_processes(model_dir):
             proc.terminate()
         for proc in procs:
             assert proc.wait(timeout=20) == 0  # SIGTERM drains and exits cleanly
+
+
+def test_services_over_tls_with_client_certificates(model_dir, tmp_path):
+    """Edge to cloud over TLS: the verifier demands a client certificate (mutual TLS), the orchestrator serves
+    TLS and presents its certificate to the verifier; a plaintext or unverified caller is refused."""
+    path, loaded = model_dir
+    pki = make_pki(tmp_path)
+    own = ["--tls-cert", pki["host.pem"], "--tls-key", pki["host.key"]]
+    procs = []
+    try:
+        verifier, verifier_addr = _serve("verifier", "--target-model", str(path), *own,
+                                         "--tls-client-ca", pki["ca.pem"])
+        procs.append(verifier)
+        lone, lone_addr = _serve("orchestrator", "--verifier", verifier_addr, "--target-model", str(path),
+                                 "--tls-ca", pki["ca.pem"])  # trusts the verifier, has no client certificate
+        procs.append(lone)
+        orch, orch_addr = _serve("orchestrator", "--verifier", verifier_addr, "--target-model", str(path),
+                                 "--tls-ca", pki["ca.pem"], *own)
+        procs.append(orch)
+        args = ("generate", "abcabcabcabc", "--max-new-tokens", "12", "--json", "--no-chat-template")
+        out = cli(*args, "--orchestrator", orch_addr)  # plaintext
+        assert out.returncode != 0 and "UNAVAILABLE" in out.stderr
+        out = cli(*args, "--orchestrator", orch_addr, "--tls-ca", pki["other.pem"])  # a root that did not sign it
+        assert out.returncode != 0 and "CERTIFICATE_VERIFY_FAILED" in out.stderr
+        out = cli(*args, "--orchestrator", lone_addr)  # serves plaintext; its verifier refuses it
+        assert out.returncode != 0 and "no verifier replica answered" in out.stderr
+        out = cli(*args, "--orchestrator", orch_addr, "--tls-ca", pki["ca.pem"])
+        assert out.returncode == 0, out.stderr
+        result = json.loads(out.stdout)
+        assert result["token_ids"] == hf_greedy(loaded.model, result["prompt_token_ids"], 12)
+        missing = cli(*args, "--orchestrator", orch_addr, "--tls-ca", str(tmp_path / "nope.pem"))
+        assert missing.returncode == 2 and "TLS ca file not found" in missing.stderr
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            assert proc.wait(timeout=20) == 0
 
 
 def _random_artifacts(tmp_path, loaded, identity):

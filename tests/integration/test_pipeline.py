@@ -107,6 +107,36 @@ def test_async_client_matches_sync(target):
         assert chunks[-1].finish_reason == "length"
 
 
+def test_sdk_clients_over_tls(target, tmp_path):
+    """Every server of the stack serving TLS, every channel verifying it: both SDK clients, and a client
+    trusting another CA refused."""
+    from pki import make_pki
+    from specsplit import tls
+
+    pki = make_pki(tmp_path)
+    own = tls.TLS(cert=pki["host.pem"], key=pki["host.key"], ca=pki["ca.pem"], client_ca=pki["ca.pem"])
+
+    async def collect(address):
+        async with AsyncClient(address, tls=tls.TLS(ca=pki["ca.pem"], cert=pki["host.pem"], key=pki["host.key"])) as c:
+            return [c async for c in c.generate(prompt_token_ids=PROMPT, max_new_tokens=12)]
+
+    tls.configure(own)
+    try:
+        with start_stack(target, [NgramProposer(DraftConfig())]) as stack:
+            assert stack.orchestrator.tls and stack.verifier.tls
+            with Client(stack.address, tls=own) as client:
+                assert tokens_of(client.generate(prompt_token_ids=PROMPT, max_new_tokens=12)) == \
+                    hf_greedy(target.model, PROMPT, 12)
+            assert tokens_of(asyncio.run(collect(stack.address))) == hf_greedy(target.model, PROMPT, 12)
+            for wrong in (tls.TLS(ca=pki["other.pem"], cert=pki["host.pem"], key=pki["host.key"]),  # unknown root
+                          tls.TLS(ca=pki["ca.pem"])):  # no client certificate
+                with Client(stack.address, tls=wrong, timeout=5) as client, pytest.raises(grpc.RpcError) as err:
+                    list(client.generate(prompt_token_ids=PROMPT, max_new_tokens=4))
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        tls.configure(tls.TLS())
+
+
 def test_concurrent_sessions_are_independent(target):
     prompts = [PROMPT, PROMPT[:5], list(range(40, 70)), [42, 43]]
     results = {}
