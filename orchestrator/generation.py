@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from specsplit.tree import TokenTree
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass
@@ -74,7 +76,10 @@ class Orchestrator(DraftMixin):
         # trees are greedy: the tokens are the target's whatever the trigger does).
         self._learned: dict[object, object] = {}
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 5.0) -> None:
+        deadline = time.monotonic() + wait_s
+        while self._live and time.monotonic() < deadline:  # cancelled generations end their round before the channels
+            time.sleep(0.01)
         self.placement.close()  # Release calls still out go first
         self.replicas.close()
 
@@ -113,6 +118,9 @@ class Orchestrator(DraftMixin):
                 raise InvalidArgument("this model's tokenizer has no chat template; send a plain prompt")
             return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
         messages = messages or [{"role": "user", "content": prompt}]
+        roles = [m["role"] for m in messages if m["role"] not in CHAT_ROLES]
+        if roles:
+            raise InvalidArgument(f"unknown chat role {roles[0]!r}: use {', '.join(CHAT_ROLES)}")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
@@ -122,6 +130,9 @@ class Orchestrator(DraftMixin):
         info = self.verifier_info
         if not request.prompt_token_ids:
             raise InvalidArgument("prompt is empty: it tokenized to no tokens")
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < info.vocab_size]
+        if bad:
+            raise InvalidArgument(f"prompt token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})")
         if len(request.prompt_token_ids) >= info.max_context:
             raise InvalidArgument(f"prompt has {len(request.prompt_token_ids)} tokens; the model's context holds "
                                   f"{info.max_context} (prompt + generated): shorten the prompt")

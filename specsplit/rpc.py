@@ -160,6 +160,11 @@ def chunk_to_pb(chunk: Chunk) -> orchestrator_pb2.GenerateChunk:
 
 def generate_request_to_pb(prompt, messages, prompt_token_ids, max_new_tokens, temperature, top_k, top_p, seed,
                            stop, draft, chat_template, session_id, resumable=False) -> orchestrator_pb2.GenerateRequest:
+    for m in messages or ():  # checked here: past this point a malformed message is a protobuf or KeyError
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ValueError(f"a chat message is a dict with str 'role' and 'content', got {m!r}")
+    if seed is not None and not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
     sampling = sampling_to_pb(SamplingParams(temperature, top_k, top_p, seed))
     msg = orchestrator_pb2.GenerateRequest(
         prompt=prompt or "",

@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specsplit.errors import SpecSplitError
+from specsplit.errors import InvalidArgument, SpecSplitError, Unavailable
 from specsplit.tls import TLS
 from specsplit.tls import current as current_tls
 
@@ -28,12 +28,21 @@ CHANNEL_OPTIONS = [
     # replica, a test's next stack on a reused port) does not inherit that connection's failure and backoff.
     ("grpc.use_local_subchannel_pool", 1),
 ]
+# A server owns its port: with gRPC's default SO_REUSEPORT a second server on a port in use started "serving" and
+# took a share of the connections.
+SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
 def grpc_errors(method):
-    """Map SpecSplitError to its gRPC status (the one place this happens); works on unary and stream methods."""
+    """Map SpecSplitError to its gRPC status (the one place this happens); works on unary and stream methods.
+    A downstream call's INVALID_ARGUMENT (a request the verifier refused) is the caller's error too and keeps its
+    code, rather than reaching the client as UNKNOWN."""
 
-    def abort(context, err: SpecSplitError):
+    def abort(context, err: Exception):
+        if isinstance(err, grpc.RpcError):
+            if not (callable(getattr(err, "code", None)) and err.code() == grpc.StatusCode.INVALID_ARGUMENT):
+                raise err
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, err.details())
         context.abort(getattr(grpc.StatusCode, err.code_name), str(err))
 
     if inspect.isgeneratorfunction(method):
@@ -42,7 +51,7 @@ def grpc_errors(method):
         def stream(self, request, context):
             try:
                 yield from method(self, request, context)
-            except SpecSplitError as err:
+            except (SpecSplitError, grpc.RpcError) as err:
                 abort(context, err)
 
         return stream
@@ -51,7 +60,7 @@ def grpc_errors(method):
     def unary(self, request, context):
         try:
             return method(self, request, context)
-        except SpecSplitError as err:
+        except (SpecSplitError, grpc.RpcError) as err:
             abort(context, err)
 
     return unary
@@ -132,6 +141,14 @@ def open_channel(address: str, tls: TLS | None = None) -> grpc.Channel:
     return grpc.intercept_channel(channel, _ClientTracing())
 
 
+def check_address(address: str) -> str:
+    """HOST:PORT with a port in 0..65535 (0: any free port); a bracketed IPv6 host is fine."""
+    host, sep, port = address.rpartition(":")
+    if not (sep and host and port.isdigit() and int(port) <= 65535):
+        raise InvalidArgument(f"not a HOST:PORT address (port 0-65535, 0: any free port): {address!r}")
+    return address
+
+
 class Server:
     """A started gRPC server with health and reflection; ``stop`` flips health then drains."""
 
@@ -143,7 +160,7 @@ class Server:
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers),
             interceptors=server_interceptors(),
-            options=CHANNEL_OPTIONS,
+            options=SERVER_OPTIONS,
         )
         names = []
         for servicer, add, name in services:
@@ -154,12 +171,16 @@ class Server:
         reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.grpc_server)
         tls = tls or current_tls()
         self.tls = tls.serves
-        if tls.serves:
-            self.port = self.grpc_server.add_secure_port(address, tls.server_credentials())
-        else:
-            self.port = self.grpc_server.add_insecure_port(address)
+        check_address(address)
+        try:
+            if tls.serves:
+                self.port = self.grpc_server.add_secure_port(address, tls.server_credentials())
+            else:
+                self.port = self.grpc_server.add_insecure_port(address)
+        except RuntimeError:
+            self.port = 0
         if self.port == 0:
-            raise RuntimeError(f"could not bind {address}")
+            raise Unavailable(f"could not listen on {address}: in use, or not an address of this host")
         host = address.rsplit(":", 1)[0]
         self.address = f"{host}:{self.port}"
         self.grpc_server.start()

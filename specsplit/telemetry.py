@@ -1,6 +1,6 @@
 """Tracing setup, once per process. Exporters follow the standard OTEL_* variables; none by default.
 
-- OTEL_TRACES_EXPORTER: "none" (default), "console", or "otlp" (needs opentelemetry-exporter-otlp)
+- OTEL_TRACES_EXPORTER: "none" (default), "console" (to stderr), or "otlp" (needs opentelemetry-exporter-otlp)
 - OTEL_SERVICE_NAME: overrides the service name a process passes in
 - OTEL_EXPORTER_OTLP_ENDPOINT and friends: read by the OTLP exporter itself
 Core code only ever uses the OpenTelemetry API (``trace.get_tracer(__name__)``).
@@ -9,6 +9,7 @@ Core code only ever uses the OpenTelemetry API (``trace.get_tracer(__name__)``).
 from __future__ import annotations
 
 import os
+import sys
 
 from opentelemetry import trace
 
@@ -28,7 +29,7 @@ def setup_tracing(service_name: str) -> bool:
     provider = TracerProvider(resource=Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)}))
     for name in exporter_names:
         if name == "console":
-            exporter = ConsoleSpanExporter()
+            exporter = ConsoleSpanExporter(out=sys.stderr)  # stdout is the program's (generate --json: one object)
         elif name == "otlp":
             try:
                 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from pki import make_pki
 from tiny import hf_greedy
 
@@ -12,21 +14,35 @@ JSON_KEYS = {"prompt_token_ids", "token_ids", "text", "rounds", "mean_accepted_t
              "elapsed_s"}
 
 
-def cli(*args, timeout=120):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", SPECSPLIT_THREADS="1")
+def cli(*args, timeout=120, **env_vars):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", SPECSPLIT_THREADS="1", **env_vars)
     return subprocess.run([sys.executable, "-m", "specsplit.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 
 def test_generate_json_is_one_object_with_the_contract_keys(model_dir):
     path, loaded = model_dir
-    out = cli("generate", "hello world", "--target-model", str(path), "--max-new-tokens", "12", "--json")
+    out = cli("generate", "hello world", "--target-model", str(path), "--max-new-tokens", "12", "--json",
+              OTEL_TRACES_EXPORTER="console")  # spans go to stderr, never into the JSON
     assert out.returncode == 0, out.stderr
+    assert '"name": "specsplit.orchestrator.generate' in out.stderr
     result = json.loads(out.stdout)  # exactly one JSON object on stdout
     assert JSON_KEYS <= result.keys()
     assert result["token_ids"] == hf_greedy(loaded.model, result["prompt_token_ids"], 12)
     assert result["rounds"] >= 1 and result["tokens_per_second"] > 0
     assert result["text"] == loaded.tokenizer.decode(result["token_ids"], skip_special_tokens=True)
+
+
+def test_generate_samples_with_a_seed(model_dir):
+    path, _ = model_dir
+    runs = [cli("generate", "hello world", "--target-model", str(path), "--max-new-tokens", "12", "--json",
+                "--draft", "ngram", "--temperature", "0.8", "--top-p", "0.95", "--seed", str(seed))
+            for seed in (7, 7, 8)]
+    assert all(out.returncode == 0 for out in runs), runs[0].stderr
+    tokens = [json.loads(out.stdout)["token_ids"] for out in runs]
+    assert tokens[0] == tokens[1] != tokens[2]  # a seed fixes the draw; another seed draws anew
+    bad = cli("generate", "hi", "--temperature", "-1")
+    assert bad.returncode == 2 and "--temperature: must be >= 0" in bad.stderr
 
 
 def test_generate_streams_text_and_prints_stats(model_dir):
@@ -41,7 +57,7 @@ def test_bad_input_exits_with_a_clear_message(model_dir):
     path, _ = model_dir
     out = cli("generate", "hello", "--target-model", str(path), "--max-new-tokens", "0")
     assert out.returncode != 0
-    assert "max_new_tokens must be > 0" in out.stderr
+    assert "--max-new-tokens: must be >= 1" in out.stderr  # at once, before any model loads
     out = cli("generate", "hello", "--target-model", str(path / "missing"))
     assert out.returncode == 2 and "not a local Hugging Face model directory" in out.stderr
     out = cli("generate", "hello", "--burst-max", "0")
@@ -79,6 +95,27 @@ def test_each_service_has_its_own_flags():
     assert wrong.returncode == 2 and "unrecognized arguments: --max-batch" in wrong.stderr
     missing = cli("serve")
     assert missing.returncode == 2 and "verifier,draft,orchestrator" in missing.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (("serve", "draft", "--listen", "127.0.0.1:99999"), "not a HOST:PORT address"),
+    (("serve", "draft", "--listen", "garbage"), "not a HOST:PORT address"),
+    (("serve", "verifier", "--prefill-chunk", "0"), "--prefill-chunk: must be >= 1"),
+    (("generate", "hi", "--threads", "-1"), "--threads: must be >= 0"),
+    (("generate", "hi", "--branch-threshold", "2"), "a probability: 0..1"),
+    (("generate", "hi", "--orchestrator", "127.0.0.1:1", "--trigger", "fixed"), "--trigger set up the embedded stack"),
+    (("generate", "hi", "--draft", "model"), "--draft model needs --draft-model PATH"),
+    (("generate", "hi", "--tls-ca", "ca.pem"), "--tls-* flags are for a remote --orchestrator"),
+    (("generate", "hi", "--device", "nonsense", "--max-new-tokens", "1"), "unknown device 'nonsense'"),
+])
+def test_bad_flags_fail_fast_with_one_line(args, words):
+    out = cli(*args)
+    assert out.returncode == 2 and words in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_bad_variables_are_flag_errors():
+    out = cli("serve", "draft", SPECSPLIT_IDLE_TIMEOUT="5m")
+    assert out.returncode == 2 and "--idle-timeout: not a number: '5m'" in out.stderr
 
 
 def _serve(*args):

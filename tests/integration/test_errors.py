@@ -35,6 +35,8 @@ def generate(stack, **kwargs):
     (dict(prompt="hi", draft="lookahead"), grpc.StatusCode.INVALID_ARGUMENT, "unknown draft"),
     (dict(prompt="hi", draft="model"), grpc.StatusCode.INVALID_ARGUMENT, "no 'model' draft service"),
     (dict(prompt="hi", prompt_token_ids=[1, 2]), grpc.StatusCode.INVALID_ARGUMENT, "exactly one of"),
+    (dict(prompt_token_ids=[10**6]), grpc.StatusCode.INVALID_ARGUMENT, "outside the vocabulary"),
+    (dict(messages=[{"role": "wizard", "content": "hi"}]), grpc.StatusCode.INVALID_ARGUMENT, "unknown chat role"),
 ])
 def test_generate_rejects_bad_requests(stack, kwargs, code, words):
     got, details = code_of(lambda: generate(stack, **kwargs))
@@ -122,3 +124,36 @@ def test_service_stays_up_after_errors(stack):
             generate(stack, **kwargs)
     chunks = generate(stack, prompt_token_ids=PROMPT, max_new_tokens=8)
     assert [t for c in chunks for t in c.token_ids] == hf_greedy(stack.target.model, PROMPT, 8)
+
+
+def test_a_resumable_generation_fails_at_once_on_a_bad_request(stack):
+    """A request the verifier refuses is INVALID_ARGUMENT to the client, which does not retry it."""
+    import time
+
+    start = time.monotonic()
+    with Client(stack.address) as client:
+        stream = client.generate(prompt_token_ids=[10**6], max_new_tokens=4, resume=True)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stream)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and stream.reconnects == 0
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(messages=[{"role": "user"}]), "a chat message is a dict with str 'role' and 'content'"),
+    (dict(messages=["hi"]), "a chat message is a dict"),
+    (dict(prompt="hi", seed=-1), "seed must be in [0, 2**64)"),
+])
+def test_the_sdk_refuses_malformed_requests_before_sending(kwargs, words):
+    with Client("127.0.0.1:1") as client, pytest.raises(ValueError) as info:  # nothing listens there
+        client.generate(**kwargs)
+    assert words in str(info.value)
+
+
+def test_a_port_in_use_is_refused(stack):
+    """A second server on a port in use fails to start (gRPC's SO_REUSEPORT would have shared it)."""
+    from specsplit.errors import Unavailable
+    from specsplit.serving import Server
+
+    with pytest.raises(Unavailable, match="could not listen on"):
+        Server(stack.address, [])
