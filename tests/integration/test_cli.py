@@ -8,16 +8,11 @@ import sys
 import pytest
 
 from pki import make_pki
+from processes import cli, serve
 from tiny import hf_greedy
 
 JSON_KEYS = {"prompt_token_ids", "token_ids", "text", "rounds", "mean_accepted_tokens", "tokens_per_second",
              "elapsed_s"}
-
-
-def cli(*args, timeout=120, **env_vars):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", SPECSPLIT_THREADS="1", **env_vars)
-    return subprocess.run([sys.executable, "-m", "specsplit.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
 
 
 def test_generate_json_is_one_object_with_the_contract_keys(model_dir):
@@ -118,24 +113,15 @@ def test_bad_variables_are_flag_errors():
     assert out.returncode == 2 and "--idle-timeout: not a number: '5m'" in out.stderr
 
 
-def _serve(*args):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", SPECSPLIT_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "specsplit.cli", "serve", *args, "--listen", "127.0.0.1:0"],
-                            stderr=subprocess.PIPE, text=True, env=env)
-    line = proc.stderr.readline()
-    assert "serving on" in line, line + proc.stderr.read()
-    return proc, line.rsplit(" ", 1)[1].strip()
-
-
 def test_services_as_separate_processes(model_dir):
     path, loaded = model_dir
     procs = []
     try:
-        verifier, verifier_addr = _serve("verifier", "--target-model", str(path))
+        verifier, verifier_addr = serve("verifier", "--target-model", str(path))
         procs.append(verifier)
-        draft, draft_addr = _serve("draft", "--draft", "ngram")
+        draft, draft_addr = serve("draft", "--draft", "ngram")
         procs.append(draft)
-        orch, orch_addr = _serve("orchestrator", "--verifier", verifier_addr, "--drafts", draft_addr,
+        orch, orch_addr = serve("orchestrator", "--verifier", verifier_addr, "--drafts", draft_addr,
                                  "--target-model", str(path))
         procs.append(orch)
         prompt = "abcabcabcabc"
@@ -159,13 +145,13 @@ def test_services_over_tls_with_client_certificates(model_dir, tmp_path):
     own = ["--tls-cert", pki["host.pem"], "--tls-key", pki["host.key"]]
     procs = []
     try:
-        verifier, verifier_addr = _serve("verifier", "--target-model", str(path), *own,
+        verifier, verifier_addr = serve("verifier", "--target-model", str(path), *own,
                                          "--tls-client-ca", pki["ca.pem"])
         procs.append(verifier)
-        lone, lone_addr = _serve("orchestrator", "--verifier", verifier_addr, "--target-model", str(path),
+        lone, lone_addr = serve("orchestrator", "--verifier", verifier_addr, "--target-model", str(path),
                                  "--tls-ca", pki["ca.pem"])  # trusts the verifier, has no client certificate
         procs.append(lone)
-        orch, orch_addr = _serve("orchestrator", "--verifier", verifier_addr, "--target-model", str(path),
+        orch, orch_addr = serve("orchestrator", "--verifier", verifier_addr, "--target-model", str(path),
                                  "--tls-ca", pki["ca.pem"], *own)
         procs.append(orch)
         args = ("generate", "abcabcabcabc", "--max-new-tokens", "12", "--json", "--no-chat-template")
@@ -216,12 +202,12 @@ def test_eagle_and_medusa_services_as_separate_processes(model_dir, tmp_path):
     assert refused.returncode == 2 and "trained for target params-sha256:another" in refused.stderr
     procs = []
     try:
-        verifier, verifier_addr = _serve("verifier", "--target-model", str(path), "--medusa", str(medusa))
+        verifier, verifier_addr = serve("verifier", "--target-model", str(path), "--medusa", str(medusa))
         procs.append(verifier)
-        draft, draft_addr = _serve("draft", "--draft", "eagle", "--draft-artifact", str(eagle),
+        draft, draft_addr = serve("draft", "--draft", "eagle", "--draft-artifact", str(eagle),
                                    "--target-model", str(path))
         procs.append(draft)
-        orch, orch_addr = _serve("orchestrator", "--verifier", verifier_addr, "--drafts", draft_addr,
+        orch, orch_addr = serve("orchestrator", "--verifier", verifier_addr, "--drafts", draft_addr,
                                  "--target-model", str(path))
         procs.append(orch)
         for draft_choice in ("eagle", "medusa"):

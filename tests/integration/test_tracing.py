@@ -1,4 +1,5 @@
-"""Spans per Generate, per round, per draft and verify call, in one trace across the gRPC hops."""
+"""Spans per Generate, per round, per draft and verify call, in one trace across the gRPC hops; exported over
+OTLP from separate processes to a collector."""
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
@@ -101,3 +102,65 @@ def test_a_finished_generation_does_not_wait_for_the_release_of_its_cache(target
     assert release.context.trace_id == gen.context.trace_id and release.parent.span_id == gen.context.span_id
     assert release.end_time - release.start_time >= 200e6  # ns: it paid the round trip
     assert release.end_time > gen.end_time  # after the generation had ended
+
+
+def test_separate_processes_export_one_trace_over_otlp(model_dir):
+    """What a tracing dashboard gets: each service (and the CLI client) in its own process exports its spans over
+    OTLP to a collector (here a minimal real OTLP/gRPC receiver), and one generation is one trace across them."""
+    import collections
+    import concurrent.futures
+    import json
+    import time
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    from processes import cli, serve
+
+    received = collections.defaultdict(list)  # service.name -> [(trace id, span name)]
+
+    class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):
+            for resource_spans in request.resource_spans:
+                name = next(a.value.string_value for a in resource_spans.resource.attributes if a.key == "service.name")
+                for scope in resource_spans.scope_spans:
+                    received[name] += [(span.trace_id.hex(), span.name) for span in scope.spans]
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    collector = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Collector(), collector)
+    port = collector.add_insecure_port("127.0.0.1:0")
+    collector.start()
+    otel = dict(OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}",
+                OTEL_EXPORTER_OTLP_INSECURE="true", OTEL_BSP_SCHEDULE_DELAY="50")
+    path, _ = model_dir
+    procs = []
+    try:
+        verifier, verifier_addr = serve("verifier", "--target-model", str(path), **otel)
+        procs.append(verifier)
+        draft, draft_addr = serve("draft", "--draft", "ngram", **otel)
+        procs.append(draft)
+        orch, orch_addr = serve("orchestrator", "--verifier", verifier_addr, "--drafts", draft_addr,
+                                "--target-model", str(path), **otel)
+        procs.append(orch)
+        out = cli("generate", "abcabcabcabc", "--orchestrator", orch_addr, "--max-new-tokens", "8", "--json",
+                  "--no-chat-template", **otel)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["token_ids"]
+        wanted = {"specsplit-cli", "specsplit-orchestrator", "specsplit-verifier", "specsplit-draft"}
+        deadline = time.monotonic() + 20
+        while not wanted <= received.keys() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert wanted <= received.keys(), dict(received)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=20)
+        collector.stop(0)
+    generate = {t for t, name in received["specsplit-orchestrator"] if name.startswith("specsplit.orchestrator.generate")}
+    assert len(generate) == 1
+    (trace_id,) = generate
+    assert any(t == trace_id for t, _ in received["specsplit-cli"])  # the client's span opened the trace
+    for service in ("specsplit-verifier", "specsplit-draft"):
+        assert any(t == trace_id for t, _ in received[service]), (service, received[service])
