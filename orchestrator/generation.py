@@ -17,39 +17,24 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
 from orchestrator.detok import TextStream
+from orchestrator.requests import GenerationRequest, check_request, tokenize_prompt
 from orchestrator.drafts import DraftMixin
 from orchestrator.placement import KvPlacement
 from orchestrator.replicas import ReplicaSet
 from orchestrator.session import LiveSession, burst_sizer, controller_from_state, text_stream_at
 from specsplit.config import OrchestratorConfig
-from specsplit.errors import FailedPrecondition, InvalidArgument, NotFound, SpecSplitError, StaleRound, Unavailable
+from specsplit.errors import FailedPrecondition, NotFound, SpecSplitError, StaleRound, Unavailable
 from specsplit.rpc import DraftInfo, RpcError, VerifierInfo
-from specsplit.sampling import SamplingParams
 from specsplit.store import CANCELLED, DETACHED, FINISHED, RUNNING, TERMINAL, InMemoryStore, SessionState, update
 from specsplit.stream import Chunk, RoundStats
 from specsplit.tree import TokenTree
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer(__name__)
-CHAT_ROLES = ("system", "user", "assistant", "tool")
-
-
-@dataclass
-class GenerationRequest:
-    prompt_token_ids: list[int]
-    max_new_tokens: int
-    stop: list[str] = field(default_factory=list)
-    draft: str = "auto"
-    session_id: str = ""
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    resumable: bool = False  # a dropped stream detaches the session (resumable) instead of cancelling it
-    resume_session_id: str = ""  # continue this stored session instead of starting one
-    resume_from_token: int = 0  # generated tokens the resuming client already has
 
 
 class _CancelledElsewhere(Exception):
@@ -104,44 +89,10 @@ class Orchestrator(DraftMixin):
 
     def prompt_token_ids(self, prompt: str = "", messages: list[dict] | None = None,
                          token_ids: list[int] | None = None, chat_template: bool = True) -> list[int]:
-        given = sum(bool(x) for x in (prompt, messages, token_ids))
-        if given == 0:
-            raise InvalidArgument("prompt is empty: give a prompt, chat messages or prompt token ids")
-        if given > 1:
-            raise InvalidArgument("give exactly one of prompt, messages and prompt_token_ids")
-        if token_ids:
-            return list(token_ids)
-        if prompt and not chat_template:
-            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-        if self.tokenizer.chat_template is None:
-            if messages:
-                raise InvalidArgument("this model's tokenizer has no chat template; send a plain prompt")
-            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-        messages = messages or [{"role": "user", "content": prompt}]
-        roles = [m["role"] for m in messages if m["role"] not in CHAT_ROLES]
-        if roles:
-            raise InvalidArgument(f"unknown chat role {roles[0]!r}: use {', '.join(CHAT_ROLES)}")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return tokenize_prompt(self.tokenizer, prompt, messages, token_ids, chat_template)
 
     def validate(self, request: GenerationRequest) -> None:
-        info = self.verifier_info
-        if not request.prompt_token_ids:
-            raise InvalidArgument("prompt is empty: it tokenized to no tokens")
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < info.vocab_size]
-        if bad:
-            raise InvalidArgument(f"prompt token id {bad[0]} is outside the vocabulary [0, {info.vocab_size})")
-        if len(request.prompt_token_ids) >= info.max_context:
-            raise InvalidArgument(f"prompt has {len(request.prompt_token_ids)} tokens; the model's context holds "
-                                  f"{info.max_context} (prompt + generated): shorten the prompt")
-        if request.max_new_tokens <= 0:
-            raise InvalidArgument(f"max_new_tokens must be > 0, got {request.max_new_tokens}")
-        if request.max_new_tokens > self.config.max_new_tokens_limit:
-            raise InvalidArgument(f"max_new_tokens {request.max_new_tokens} is over this server's limit of "
-                                  f"{self.config.max_new_tokens_limit}")
-        request.sampling.validate()
+        check_request(request, self.verifier_info, self.config.max_new_tokens_limit)
 
     # -- starting, resuming, settling -------------------------------------------------------------------
     def _start(self, request: GenerationRequest) -> LiveSession:
