@@ -9,8 +9,6 @@ from specsplit.errors import InvalidArgument
 from specsplit.rpc import VerifierInfo
 from specsplit.sampling import SamplingParams
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
-
 
 @dataclass
 class GenerationRequest:
@@ -42,10 +40,10 @@ def tokenize_prompt(tokenizer, prompt: str = "", messages: list[dict] | None = N
             raise InvalidArgument("this model's tokenizer has no chat template; send a plain prompt")
         return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
     messages = messages or [{"role": "user", "content": prompt}]
-    roles = [m["role"] for m in messages if m["role"] not in CHAT_ROLES]
-    if roles:
-        raise InvalidArgument(f"unknown chat role {roles[0]!r}: use {', '.join(CHAT_ROLES)}")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    try:  # which roles exist is the template's business; one it refuses is the caller's error
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as err:  # jinja2's TemplateError and raise_exception() calls in templates
+        raise InvalidArgument(f"the chat template refused these messages: {err}") from None
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)

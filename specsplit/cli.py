@@ -103,22 +103,20 @@ def generate(args) -> int:
 
     setup_tracing("specsplit-cli")
     stack = None
-    if args.draft == "model" and not args.draft_model:
-        from specsplit.errors import InvalidArgument
-
-        raise InvalidArgument("--draft model needs --draft-model PATH (a small model with the target's tokenizer)")
     tls = None
     if args.orchestrator:
         from specsplit.tls import TLS
 
         _refuse_stack_flags(args)
         address = args.orchestrator
-        tls = TLS.from_env(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key)
-    elif args.tls_ca or args.tls_cert or args.tls_key:
+        tls = TLS.from_env(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key).for_calls()
+    else:
         from specsplit.errors import InvalidArgument
 
-        raise InvalidArgument("--tls-* flags are for a remote --orchestrator (the embedded stack talks over loopback)")
-    else:
+        if args.tls_ca or args.tls_cert or args.tls_key:
+            raise InvalidArgument("--tls-* flags are for a remote --orchestrator (the embedded stack talks over loopback)")
+        if args.draft == "model" and not args.draft_model:
+            raise InvalidArgument("--draft model needs --draft-model PATH (a small model with the target's tokenizer)")
         from specsplit.launch import DraftProcess, default_proposers, load_model, start_stack
 
         from specsplit.launch import auto_draft
@@ -211,8 +209,9 @@ def serve(args) -> int:
     from specsplit.telemetry import setup_tracing
 
     setup_tracing(f"specsplit-{args.service}")
-    tls.configure(tls.TLS.from_env(cert=args.tls_cert, key=args.tls_key, ca=getattr(args, "tls_ca", None),
-                                   client_ca=args.tls_client_ca))
+    own = tls.TLS.from_env(cert=args.tls_cert, key=args.tls_key, ca=getattr(args, "tls_ca", None),
+                           client_ca=args.tls_client_ca)
+    tls.configure(own.for_calls() if args.service == "orchestrator" else own.checked())
     if args.service == "verifier":
         target = launch.load_model(args.target_model, args.device, args.dtype)
         config = VerifierConfig(max_tree_nodes=args.max_tree_nodes, max_sessions=args.max_sessions,

@@ -119,7 +119,7 @@ class Client:
         generation moves between them); timeout: default deadline of a whole generation (s);
         reconnect_s: how long a resumable generation keeps trying to reconnect after a failure;
         tls: ``specsplit.TLS(ca=...)`` for an orchestrator serving TLS (plus ``cert``/``key`` for mutual TLS)."""
-        self.tls = tls or TLS()
+        self.tls = (tls or TLS()).for_calls()
         self.addresses = [address] if isinstance(address, str) else list(address)
         if not self.addresses:
             raise ValueError("no orchestrator address given")
@@ -170,7 +170,7 @@ class AsyncClient:
 
         self.address = address
         self.timeout = timeout
-        tls = tls or TLS()
+        tls = (tls or TLS()).for_calls()
         if tls.calls:
             self._channel = grpc.aio.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS,
                                                     interceptors=aio_client_interceptors())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 DESCRIPTION = """\
@@ -82,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--top-k", type=_at_least(0), default=0, help="sample among the k likeliest (0: all)")
     sampling.add_argument("--top-p", type=_probability, default=1.0,
                           help="sample from the smallest set of tokens holding this probability (default 1: all)")
-    sampling.add_argument("--seed", type=_at_least(0), default=None, help="random seed (default: a fresh one)")
+    sampling.add_argument("--seed", type=_at_least(0, below=2**64), default=None, help="random seed (default: a fresh one)")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object (prompt_token_ids, token_ids, text, rounds, mean_accepted_tokens, "
                           "tokens_per_second, elapsed_s, ...) instead of streaming text")
@@ -185,15 +186,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _at_least(low: float, kind=int):
-    """An argparse type: a number of ``kind`` >= low (also applied to defaults read from SPECSPLIT_* variables)."""
+def _at_least(low: float, kind=int, below: float = math.inf):
+    """An argparse type: a finite number of ``kind`` in [low, below) (also applied to defaults read from SPECSPLIT_*
+    variables)."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
         if value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        if value >= below:
+            raise argparse.ArgumentTypeError(f"must be < {below}, got {value}")
         return value
 
     return parse

@@ -152,9 +152,10 @@ def load_tokenizer(spec: str | os.PathLike | None) -> PreTrainedTokenizerBase:
 
 def load_model(spec: str | os.PathLike | None, device: str | None = "auto", dtype: str | torch.dtype | None = "float32") -> LoadedModel:
     path = model_path(spec)
+    where, dtype = resolve_device(device), resolve_dtype(dtype)  # a wrong device or dtype fails before loading
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype))
-    model.to(resolve_device(device)).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.to(where).eval()
     default = spec in (None, "", "default", DEFAULT_TARGET)
     name = DEFAULT_TARGET if default else str(spec)
     identity = f"{DEFAULT_TARGET}@gguf-sha256:{DEFAULT_GGUF_SHA256}" if default else ""

@@ -34,15 +34,9 @@ SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
 def grpc_errors(method):
-    """Map SpecSplitError to its gRPC status (the one place this happens); works on unary and stream methods.
-    A downstream call's INVALID_ARGUMENT (a request the verifier refused) is the caller's error too and keeps its
-    code, rather than reaching the client as UNKNOWN."""
+    """Map SpecSplitError to its gRPC status (the one place this happens); works on unary and stream methods."""
 
-    def abort(context, err: Exception):
-        if isinstance(err, grpc.RpcError):
-            if not (callable(getattr(err, "code", None)) and err.code() == grpc.StatusCode.INVALID_ARGUMENT):
-                raise err
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, err.details())
+    def abort(context, err: SpecSplitError):
         context.abort(getattr(grpc.StatusCode, err.code_name), str(err))
 
     if inspect.isgeneratorfunction(method):
@@ -51,7 +45,7 @@ def grpc_errors(method):
         def stream(self, request, context):
             try:
                 yield from method(self, request, context)
-            except (SpecSplitError, grpc.RpcError) as err:
+            except SpecSplitError as err:
                 abort(context, err)
 
         return stream
@@ -60,7 +54,7 @@ def grpc_errors(method):
     def unary(self, request, context):
         try:
             return method(self, request, context)
-        except (SpecSplitError, grpc.RpcError) as err:
+        except SpecSplitError as err:
             abort(context, err)
 
     return unary

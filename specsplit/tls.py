@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import ssl
 from dataclasses import dataclass
 
 import grpc
@@ -38,9 +39,9 @@ class TLS:
 
     @classmethod
     def from_env(cls, **given: str | None) -> "TLS":
-        """Flags given (None or "" = not given) over ``SPECSPLIT_TLS_*`` variables; checked."""
+        """Flags given (None or "" = not given) over ``SPECSPLIT_TLS_*`` variables; not yet checked."""
         values = {name: given.get(name) or os.environ.get(var, "") for name, var in ENV.items()}
-        return cls(**values).checked()
+        return cls(**values)
 
     @property
     def serves(self) -> bool:
@@ -59,7 +60,23 @@ class TLS:
             path = getattr(self, field.name)
             if path and not (field.name == "ca" and path == "system") and not pathlib.Path(path).is_file():
                 raise InvalidArgument(f"TLS {field.name.replace('_', ' ')} file not found: {path}")
+        try:  # read them now: a bad file is named here, not found out as a failed bind or handshake later
+            if self.cert:
+                ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(self.cert, self.key)
+            for roots in (self.ca, self.client_ca):
+                if roots and roots != "system":
+                    ssl.create_default_context(cafile=roots)
+        except (ssl.SSLError, ValueError) as err:
+            raise InvalidArgument(f"TLS files unusable (PEM certificate and its matching key, PEM CA roots): {err}") \
+                from None
         return self
+
+    def for_calls(self) -> "TLS":
+        """Checked for a process that makes calls: a certificate without CA roots would call in plaintext."""
+        if self.cert and not self.ca:
+            raise InvalidArgument("--tls-cert without --tls-ca: this process's calls would go out in plaintext; give "
+                                  "--tls-ca (the CA that signed the servers' certificates, or 'system')")
+        return self.checked()
 
     def server_credentials(self) -> grpc.ServerCredentials:
         chain = [(_read(self.key), _read(self.cert))]

@@ -100,7 +100,11 @@ def test_each_service_has_its_own_flags():
     (("generate", "hi", "--branch-threshold", "2"), "a probability: 0..1"),
     (("generate", "hi", "--orchestrator", "127.0.0.1:1", "--trigger", "fixed"), "--trigger set up the embedded stack"),
     (("generate", "hi", "--draft", "model"), "--draft model needs --draft-model PATH"),
+    (("generate", "hi", "--seed", str(2**64)), "--seed: must be < 18446744073709551616"),
+    (("serve", "draft", "--drain-s", "nan"), "--drain-s: must be a finite number"),
     (("generate", "hi", "--tls-ca", "ca.pem"), "--tls-* flags are for a remote --orchestrator"),
+    (("generate", "hi", "--orchestrator", "127.0.0.1:1", "--tls-cert", "c.pem", "--tls-key", "k.pem"),
+     "--tls-cert without --tls-ca: this process's calls would go out in plaintext"),
     (("generate", "hi", "--device", "nonsense", "--max-new-tokens", "1"), "unknown device 'nonsense'"),
 ])
 def test_bad_flags_fail_fast_with_one_line(args, words):

@@ -12,6 +12,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -72,6 +73,7 @@ def start(service: str, overrides: dict[str, str]) -> tuple[subprocess.Popen, st
                             env={**os.environ, **env, "SPECSPLIT_THREADS": "1"})
     line = proc.stderr.readline()
     assert "(TLS) serving on" in line, line + proc.stderr.read()
+    threading.Thread(target=proc.stderr.read, daemon=True).start()  # a chatty child never blocks on a full pipe
     return proc, line.rsplit(" ", 1)[1].strip()
 
 

@@ -120,6 +120,12 @@ def test_sdk_clients_over_tls(target, tmp_path):
         async with AsyncClient(address, tls=tls.TLS(ca=pki["ca.pem"], cert=pki["host.pem"], key=pki["host.key"])) as c:
             return [c async for c in c.generate(prompt_token_ids=PROMPT, max_new_tokens=12)]
 
+    from specsplit.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="TLS files unusable"):
+        tls.TLS(cert=pki["ca.pem"], key=pki["host.key"]).checked()  # a key that is not the certificate's
+    with pytest.raises(InvalidArgument, match="calls would go out in plaintext"):
+        Client("127.0.0.1:1", tls=tls.TLS(cert=pki["host.pem"], key=pki["host.key"]))
     tls.configure(own)
     try:
         with start_stack(target, [NgramProposer(DraftConfig())]) as stack:
