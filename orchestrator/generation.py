@@ -26,6 +26,7 @@ from orchestrator.drafts import DraftMixin
 from orchestrator.placement import KvPlacement
 from orchestrator.replicas import ReplicaSet
 from orchestrator.session import LiveSession, burst_sizer, controller_from_state, text_stream_at
+from specsplit import metrics as meter
 from specsplit.config import OrchestratorConfig
 from specsplit.errors import FailedPrecondition, NotFound, SpecSplitError, StaleRound, Unavailable
 from specsplit.rpc import DraftInfo, RpcError, VerifierInfo
@@ -240,6 +241,7 @@ class Orchestrator(DraftMixin):
         cancelled = cancelled or threading.Event()
         info = self.verifier_info
         with tracer.start_as_current_span(f"specsplit.orchestrator.generate {info.model}") as span:
+            started = None if request.resume_session_id else time.perf_counter()  # for a new one's first tokens
             session = self._resume(request) if request.resume_session_id else self._start(request)
             state = session.state
             self._live[session.id] = session
@@ -261,6 +263,9 @@ class Orchestrator(DraftMixin):
                         for chunk in rounds:
                             if not session.announced:  # the prefill is done by any round's end
                                 yield self._announce(session)
+                            if chunk.token_ids and started is not None:
+                                meter.time_to_first_token.record((time.perf_counter() - started) * 1e3)
+                                started = None
                             yield chunk
                     finally:
                         rounds.close()
@@ -275,6 +280,7 @@ class Orchestrator(DraftMixin):
                 finally:
                     if self._live.get(session.id) is session:  # (a resume elsewhere in this process may own the id now)
                         del self._live[session.id]
+                meter.generations.add(1, {"finish_reason": state.finish_reason or "unfinished"})
                 span.set_attribute("gen_ai.usage.output_tokens", state.generated)
                 span.set_attribute("specsplit.rounds", state.rounds)
 
@@ -309,6 +315,7 @@ class Orchestrator(DraftMixin):
             if cancelled.is_set():
                 return  # the client is gone: _settle detaches (resumable) or cancels the session
             remaining = state.max_new_tokens - state.generated
+            round_start = time.perf_counter()
             with tracer.start_as_current_span("specsplit.orchestrator.round") as span:
                 state.rounds += 1
                 span.set_attribute("specsplit.round", state.rounds)
@@ -360,6 +367,7 @@ class Orchestrator(DraftMixin):
             stats = RoundStats(state.rounds, len(tree), len(verdict.accepted_nodes), len(kept), draft_ms or 0.0,
                                timing.verify_ms, self._drafter_name(session) if tree else "none", tree.depth,
                                feature_bytes, wasted, kept_provisional, len(verdict.decoded_token_ids))
+            record_round(stats, round_start)
             if kept or text or finish:
                 yield Chunk(text, kept, stats=stats, finish_reason=finish)
             if finish:
@@ -400,6 +408,15 @@ class Orchestrator(DraftMixin):
                 return hidden, [], "", hit
         kept, text, hit = session.stream.add(tokens)
         return hidden, kept, text, hit
+
+def record_round(stats: RoundStats, start: float) -> None:
+    attributes = {"drafter": stats.drafter}
+    meter.rounds.add(1, attributes)
+    meter.committed_tokens.add(stats.num_committed, attributes)
+    meter.draft_tokens.add(stats.num_draft_tokens, attributes)
+    meter.accepted_tokens.add(stats.num_accepted, attributes)
+    meter.round_duration.record((time.perf_counter() - start) * 1e3, attributes)
+
 
 def _branch_depth(tree: TokenTree, verdict) -> int:
     """Depth of the branch acceptance followed (the deepest branch when nothing was accepted)."""

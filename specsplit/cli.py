@@ -99,9 +99,9 @@ def generate(args) -> int:
     import grpc
 
     from specsplit.client import Client
-    from specsplit.telemetry import setup_tracing
+    from specsplit.telemetry import setup_telemetry
 
-    setup_tracing("specsplit-cli")
+    setup_telemetry("specsplit-cli")
     stack = None
     tls = None
     if args.orchestrator:
@@ -206,9 +206,9 @@ def generate(args) -> int:
 def serve(args) -> int:
     from specsplit import launch, tls
     from specsplit.config import VerifierConfig
-    from specsplit.telemetry import setup_tracing
+    from specsplit.telemetry import setup_telemetry
 
-    setup_tracing(f"specsplit-{args.service}")
+    setup_telemetry(f"specsplit-{args.service}")
     own = tls.TLS.from_env(cert=args.tls_cert, key=args.tls_key, ca=getattr(args, "tls_ca", None),
                            client_ca=args.tls_client_ca)
     tls.configure(own.for_calls() if args.service == "orchestrator" else own.checked())

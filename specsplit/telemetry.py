@@ -1,9 +1,11 @@
-"""Tracing setup, once per process. Exporters follow the standard OTEL_* variables; none by default.
+"""Tracing and metrics setup, once per process. Exporters follow the standard OTEL_* variables; none by default.
 
 - OTEL_TRACES_EXPORTER: "none" (default), "console" (to stderr), or "otlp" (needs opentelemetry-exporter-otlp)
+- OTEL_METRICS_EXPORTER: the same choices, for ``specsplit.metrics``; OTEL_METRIC_EXPORT_INTERVAL (ms, default
+  60000) is how often they are sent
 - OTEL_SERVICE_NAME: overrides the service name a process passes in
-- OTEL_EXPORTER_OTLP_ENDPOINT and friends: read by the OTLP exporter itself
-Core code only ever uses the OpenTelemetry API (``trace.get_tracer(__name__)``).
+- OTEL_EXPORTER_OTLP_ENDPOINT and friends: read by the OTLP exporters themselves
+Core code only ever uses the OpenTelemetry API (``trace.get_tracer(__name__)``, ``specsplit.metrics``).
 """
 
 from __future__ import annotations
@@ -11,36 +13,70 @@ from __future__ import annotations
 import os
 import sys
 
-from opentelemetry import trace
+from opentelemetry import metrics, trace
 
-_configured = False
+_configured: set[str] = set()
+
+
+def setup_telemetry(service_name: str) -> None:
+    """Tracing and metrics for this process, as the OTEL_* variables ask."""
+    setup_tracing(service_name)
+    setup_metrics(service_name)
+
+
+def _exporters(variable: str) -> list[str]:
+    names = [e.strip() for e in os.environ.get(variable, "none").split(",") if e.strip()]
+    for name in names:
+        if name not in ("none", "console", "otlp"):
+            raise SystemExit(f"{variable}={name!r} is not supported; use none, console or otlp")
+    return [name for name in names if name != "none"]
+
+
+def _resource(service_name: str):
+    from opentelemetry.sdk.resources import Resource
+
+    return Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)})
+
+
+def _otlp(kind: str):
+    try:
+        if kind == "traces":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Exporter
+        else:
+            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as Exporter
+    except ImportError as err:
+        raise SystemExit(f"OTEL_{kind.upper()}_EXPORTER=otlp needs `pip install opentelemetry-exporter-otlp`") from err
+    return Exporter()
 
 
 def setup_tracing(service_name: str) -> bool:
     """Install an SDK tracer provider if OTEL_TRACES_EXPORTER asks for one; return whether it did."""
-    global _configured
-    exporter_names = [e.strip() for e in os.environ.get("OTEL_TRACES_EXPORTER", "none").split(",") if e.strip()]
-    if _configured or not exporter_names or exporter_names == ["none"]:
+    names = _exporters("OTEL_TRACES_EXPORTER")
+    if "traces" in _configured or not names:
         return False
-    from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
-    provider = TracerProvider(resource=Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)}))
-    for name in exporter_names:
-        if name == "console":
-            exporter = ConsoleSpanExporter(out=sys.stderr)  # stdout is the program's (generate --json: one object)
-        elif name == "otlp":
-            try:
-                from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-            except ImportError as err:
-                raise SystemExit("OTEL_TRACES_EXPORTER=otlp needs `pip install opentelemetry-exporter-otlp`") from err
-            exporter = OTLPSpanExporter()
-        elif name == "none":
-            continue
-        else:
-            raise SystemExit(f"OTEL_TRACES_EXPORTER={name!r} is not supported; use none, console or otlp")
+    provider = TracerProvider(resource=_resource(service_name))
+    for name in names:
+        # console: stdout is the program's (generate --json: one object)
+        exporter = ConsoleSpanExporter(out=sys.stderr) if name == "console" else _otlp("traces")
         provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
-    _configured = True
+    _configured.add("traces")
+    return True
+
+
+def setup_metrics(service_name: str) -> bool:
+    """Install an SDK meter provider if OTEL_METRICS_EXPORTER asks for one; return whether it did."""
+    names = _exporters("OTEL_METRICS_EXPORTER")
+    if "metrics" in _configured or not names:
+        return False
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader
+
+    readers = [PeriodicExportingMetricReader(ConsoleMetricExporter(out=sys.stderr) if name == "console"
+                                             else _otlp("metrics")) for name in names]
+    metrics.set_meter_provider(MeterProvider(metric_readers=readers, resource=_resource(service_name)))
+    _configured.add("metrics")
     return True

@@ -31,6 +31,7 @@ import time
 import torch
 from opentelemetry import trace
 
+from specsplit import metrics as meter
 from specsplit.accept import Verdict, accept_greedy
 from specsplit.config import VerifierConfig
 from specsplit.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
@@ -266,6 +267,7 @@ class TargetEngine(KVTransfer):
                 self._fail(work, err)
             return continuing
         forward_ms = ms_since(start)
+        meter.forward_duration.record(forward_ms)
         self.stats.forward_ms += forward_ms
         shares = cost_shares([len(r) for r in rows], self.config.forward_overhead_tokens, forward_ms)
         self.stats.prefill_ms += sum(share for share, work in zip(shares, owners) if isinstance(work, PrefillWork))
@@ -325,6 +327,8 @@ class TargetEngine(KVTransfer):
         self.stats.rows += len(rows)
         self.stats.tokens += packed.num_tokens
         self.stats.max_rows = max(self.stats.max_rows, len(rows))
+        meter.batch_rows.record(len(rows))
+        meter.batch_tokens.record(packed.num_tokens)
         logits, final = self._packed_forward(self._store, packed, keep=keep, hidden=needs_hidden)  # [K, V], [T, H]
         # logits: the verify rows' tokens, in packed order; their argmax in one reduction and one copy to the
         # host for the whole tick (per row, each would be a launch and a device sync on a GPU)

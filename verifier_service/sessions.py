@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from specsplit import metrics as meter
 from specsplit.errors import FailedPrecondition, NotFound, ResourceExhausted
 from specsplit.sampling import SamplingParams, session_generator
 from verifier_service.work import TargetSession
@@ -42,16 +43,19 @@ class SessionTable:
             if session_id in self._sessions:
                 raise FailedPrecondition(f"session {session_id!r} already exists; Release it or use a new id")
             if len(self._sessions) >= self.max_sessions:
+                meter.refused.add(1, {"reason": "max_sessions"})
                 raise ResourceExhausted(f"verifier holds {len(self._sessions)} sessions (max_sessions="
                                         f"{self.max_sessions}); retry later or on another replica")
             queued = self._queued_prefill_tokens
             if to_cache and queued and queued + to_cache > self.max_queued_prefill_tokens:
+                meter.refused.add(1, {"reason": "prefill_queue"})
                 raise ResourceExhausted(
                     f"verifier has {queued} prompt tokens waiting to be cached (max_queued_prefill_tokens="
                     f"{self.max_queued_prefill_tokens}); retry later or on another replica")
             session = TargetSession(list(token_ids), sampling, session_generator(sampling))
             session.lock.acquire()
             self._sessions[session_id] = session
+            meter.sessions.add(1)
             self._queued_prefill_tokens += to_cache
             self._lock.notify_all()
         return session
@@ -73,6 +77,7 @@ class SessionTable:
             session = self._sessions.pop(session_id, None)
             if session is None:
                 return False
+            meter.sessions.add(-1)
             session.released = True
             then(session)
         return True

@@ -104,35 +104,52 @@ def test_a_finished_generation_does_not_wait_for_the_release_of_its_cache(target
     assert release.end_time > gen.end_time  # after the generation had ended
 
 
-def test_separate_processes_export_one_trace_over_otlp(model_dir):
-    """What a tracing dashboard gets: each service (and the CLI client) in its own process exports its spans over
-    OTLP to a collector (here a minimal real OTLP/gRPC receiver), and one generation is one trace across them."""
+def test_separate_processes_export_one_trace_and_metrics_over_otlp(model_dir):
+    """What dashboards get: each service (and the CLI client) in its own process exports its spans and metrics over
+    OTLP to a collector (here a minimal real OTLP/gRPC receiver); one generation is one trace across them, and the
+    orchestrator's committed-token counter adds up to the tokens the client got."""
     import collections
     import concurrent.futures
     import json
     import time
 
     import grpc
+    from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
     from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
     from processes import cli, serve
 
     received = collections.defaultdict(list)  # service.name -> [(trace id, span name)]
+    counted = {}  # (service.name, metric) -> the latest cumulative sum (or histogram count)
 
-    class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+    def service(resource) -> str:
+        return next(a.value.string_value for a in resource.attributes if a.key == "service.name")
+
+    class Traces(trace_service_pb2_grpc.TraceServiceServicer):
         def Export(self, request, context):
             for resource_spans in request.resource_spans:
-                name = next(a.value.string_value for a in resource_spans.resource.attributes if a.key == "service.name")
                 for scope in resource_spans.scope_spans:
-                    received[name] += [(span.trace_id.hex(), span.name) for span in scope.spans]
+                    received[service(resource_spans.resource)] += [(s.trace_id.hex(), s.name) for s in scope.spans]
             return trace_service_pb2.ExportTraceServiceResponse()
 
+    class Metrics(metrics_service_pb2_grpc.MetricsServiceServicer):
+        def Export(self, request, context):
+            for resource_metrics in request.resource_metrics:
+                for scope in resource_metrics.scope_metrics:
+                    for metric in scope.metrics:
+                        points = metric.sum.data_points or metric.histogram.data_points
+                        total = sum(p.as_int if metric.HasField("sum") else p.count for p in points)
+                        counted[service(resource_metrics.resource), metric.name] = total
+            return metrics_service_pb2.ExportMetricsServiceResponse()
+
     collector = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Collector(), collector)
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Traces(), collector)
+    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(Metrics(), collector)
     port = collector.add_insecure_port("127.0.0.1:0")
     collector.start()
-    otel = dict(OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}",
-                OTEL_EXPORTER_OTLP_INSECURE="true", OTEL_BSP_SCHEDULE_DELAY="50")
+    otel = dict(OTEL_TRACES_EXPORTER="otlp", OTEL_METRICS_EXPORTER="otlp", OTEL_METRIC_EXPORT_INTERVAL="200",
+                OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}", OTEL_EXPORTER_OTLP_INSECURE="true",
+                OTEL_BSP_SCHEDULE_DELAY="50")
     path, _ = model_dir
     procs = []
     try:
@@ -146,10 +163,11 @@ def test_separate_processes_export_one_trace_over_otlp(model_dir):
         out = cli("generate", "abcabcabcabc", "--orchestrator", orch_addr, "--max-new-tokens", "8", "--json",
                   "--no-chat-template", **otel)
         assert out.returncode == 0, out.stderr
-        assert json.loads(out.stdout)["token_ids"]
+        tokens = json.loads(out.stdout)["token_ids"]
         wanted = {"specsplit-cli", "specsplit-orchestrator", "specsplit-verifier", "specsplit-draft"}
+        committed = ("specsplit-orchestrator", "specsplit.tokens.committed")
         deadline = time.monotonic() + 20
-        while not wanted <= received.keys() and time.monotonic() < deadline:
+        while (not wanted <= received.keys() or counted.get(committed) != len(tokens)) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert wanted <= received.keys(), dict(received)
     finally:
@@ -162,5 +180,47 @@ def test_separate_processes_export_one_trace_over_otlp(model_dir):
     assert len(generate) == 1
     (trace_id,) = generate
     assert any(t == trace_id for t, _ in received["specsplit-cli"])  # the client's span opened the trace
-    for service in ("specsplit-verifier", "specsplit-draft"):
-        assert any(t == trace_id for t, _ in received[service]), (service, received[service])
+    for name in ("specsplit-verifier", "specsplit-draft"):
+        assert any(t == trace_id for t, _ in received[name]), (name, received[name])
+    assert counted[committed] == len(tokens), counted
+    assert counted["specsplit-orchestrator", "specsplit.generations"] == 1
+    assert counted["specsplit-verifier", "specsplit.verifier.forward.duration"] >= 1
+
+
+def test_metrics_count_what_the_stream_reports(target):
+    """specsplit.metrics through an SDK meter provider: rounds, committed, drafted and accepted tokens add up to the
+    stream's own round stats; the verifier's session gauge returns to where it was once the session is released."""
+    import collections
+
+    from opentelemetry import metrics
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from tiny import wait_for
+
+    reader = InMemoryMetricReader()
+    metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+
+    def totals() -> collections.Counter:
+        out = collections.Counter()
+        data = reader.get_metrics_data()
+        for resource in data.resource_metrics if data else ():
+            for scope in resource.scope_metrics:
+                for metric in scope.metrics:
+                    for point in metric.data.data_points:  # a sum's value, a histogram's count
+                        out[metric.name] += point.value if hasattr(point, "value") else point.count
+        return out
+
+    before = totals()
+    with start_stack(target, [NgramProposer(DraftConfig())]) as stack:
+        chunks = list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=20))
+        stats = [c.stats for c in chunks if c.stats]
+        wait_for(lambda: totals()["specsplit.verifier.sessions"] == before["specsplit.verifier.sessions"])
+        after = totals()
+    delta = {name: after[name] - before[name] for name in after}
+    assert delta["specsplit.tokens.committed"] == sum(len(c.token_ids) for c in chunks) == 20
+    assert delta["specsplit.rounds"] == len(stats) == delta["specsplit.round.duration"]
+    assert delta["specsplit.draft.tokens"] == sum(s.num_draft_tokens for s in stats)
+    assert delta["specsplit.draft.tokens.accepted"] == sum(s.num_accepted for s in stats) > 0
+    assert delta["specsplit.generations"] == 1 and delta["specsplit.time_to_first_token"] == 1
+    assert delta["specsplit.verifier.forward.duration"] >= len(stats)
