@@ -53,14 +53,14 @@ run)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
     python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
         | tee -a "$out/gpu.txt"
-    { SPECSPLIT_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -x -p no:cacheprovider \
+    { SPECSPLIT_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -x -p no:cacheprovider \
         tests/parity/test_batched_engine.py tests/parity/test_lean_forward.py tests/integration/test_concurrency.py \
         || echo "TESTS FAILED (rc $?)"; } 2>&1 | tail -5 | tee "$out/tests.txt"
-    timeout 120 python3 bench/forward_cost.py --model smollm2 --device cuda --rows 1,4,8,16 --tokens 4 --repeats 20 \
-        --out "$out/forward_cost.json" 2>&1 | grep -v "Loading weights" | tee "$out/forward_cost.txt"
+    timeout 90 python3 bench/forward_cost.py --model smollm2 --device cuda --rows 1,4,8,16 --tokens 4 --repeats 20 \
+        --out "$out/forward_cost.json" 2>&1 | grep -v "Loading weights" | tee "$out/forward_cost.txt" || true
     common=(--device cuda --threads 4 --max-new-tokens 64 --edge-procs 4 --max-batch-tokens 4096 --prefill-chunk 512
             --wait-idle 2)
-    timeout 200 python3 bench/concurrency.py "${common[@]}" --sessions 1,2,4,8,16 --out "$out" 2>&1 \
+    timeout 180 python3 bench/concurrency.py "${common[@]}" --sessions 1,2,4,8,16 --out "$out" 2>&1 \
         | grep -v "Loading weights" | tee "$out/concurrency.txt" || true
     timeout 150 python3 bench/concurrency.py "${common[@]}" --sessions 8,16 --waves 3 --out "$out" 2>&1 \
         | grep -v "Loading weights" | tee "$out/concurrency_waves3.txt" || true
