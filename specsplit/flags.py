@@ -6,6 +6,8 @@ import argparse
 import math
 import os
 
+from specsplit import __version__
+
 DESCRIPTION = """\
 specsplit: speculative decoding split across machines.
 
@@ -54,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specsplit", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    parser.add_argument("--version", action="version", version=f"specsplit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for a prompt and print speed statistics",

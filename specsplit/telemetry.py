@@ -2,7 +2,8 @@
 
 - OTEL_TRACES_EXPORTER: "none" (default), "console" (to stderr), or "otlp" (needs opentelemetry-exporter-otlp)
 - OTEL_METRICS_EXPORTER: the same choices, for ``specsplit.metrics``; OTEL_METRIC_EXPORT_INTERVAL (ms, default
-  60000) is how often they are sent
+  60000) is how often they are sent; or "prometheus" (needs opentelemetry-exporter-prometheus): served for scraping
+  at http://OTEL_EXPORTER_PROMETHEUS_HOST:OTEL_EXPORTER_PROMETHEUS_PORT/metrics (default localhost:9464)
 - OTEL_SERVICE_NAME: overrides the service name a process passes in
 - OTEL_EXPORTER_OTLP_ENDPOINT and friends: read by the OTLP exporters themselves
 Core code only ever uses the OpenTelemetry API (``trace.get_tracer(__name__)``, ``specsplit.metrics``).
@@ -24,11 +25,11 @@ def setup_telemetry(service_name: str) -> None:
     setup_metrics(service_name)
 
 
-def _exporters(variable: str) -> list[str]:
+def _exporters(variable: str, kinds: tuple[str, ...] = ("none", "console", "otlp")) -> list[str]:
     names = [e.strip() for e in os.environ.get(variable, "none").split(",") if e.strip()]
     for name in names:
-        if name not in ("none", "console", "otlp"):
-            raise SystemExit(f"{variable}={name!r} is not supported; use none, console or otlp")
+        if name not in kinds:
+            raise SystemExit(f"{variable}={name!r} is not supported; use {', '.join(kinds)}")
     return [name for name in names if name != "none"]
 
 
@@ -47,6 +48,24 @@ def _otlp(kind: str):
     except ImportError as err:
         raise SystemExit(f"OTEL_{kind.upper()}_EXPORTER=otlp needs `pip install opentelemetry-exporter-otlp`") from err
     return Exporter()
+
+
+def _prometheus():
+    """A reader whose metrics prometheus_client serves at /metrics on its own HTTP port."""
+    try:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from prometheus_client import start_http_server
+    except ImportError as err:
+        raise SystemExit("OTEL_METRICS_EXPORTER=prometheus needs `pip install opentelemetry-exporter-prometheus`") \
+            from err
+    host = os.environ.get("OTEL_EXPORTER_PROMETHEUS_HOST", "localhost")
+    port = int(os.environ.get("OTEL_EXPORTER_PROMETHEUS_PORT", "9464"))
+    try:
+        start_http_server(port, addr=host)
+    except OSError as err:
+        raise SystemExit(f"cannot serve Prometheus metrics on {host}:{port} ({err}); set OTEL_EXPORTER_PROMETHEUS_PORT "
+                         "to a free port (one per process)") from None
+    return PrometheusMetricReader()
 
 
 def setup_tracing(service_name: str) -> bool:
@@ -69,14 +88,16 @@ def setup_tracing(service_name: str) -> bool:
 
 def setup_metrics(service_name: str) -> bool:
     """Install an SDK meter provider if OTEL_METRICS_EXPORTER asks for one; return whether it did."""
-    names = _exporters("OTEL_METRICS_EXPORTER")
+    names = _exporters("OTEL_METRICS_EXPORTER", ("none", "console", "otlp", "prometheus"))
     if "metrics" in _configured or not names:
         return False
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader
 
     readers = [PeriodicExportingMetricReader(ConsoleMetricExporter(out=sys.stderr) if name == "console"
-                                             else _otlp("metrics")) for name in names]
+                                             else _otlp("metrics")) for name in names if name != "prometheus"]
+    if "prometheus" in names:
+        readers.append(_prometheus())
     metrics.set_meter_provider(MeterProvider(metric_readers=readers, resource=_resource(service_name)))
     _configured.add("metrics")
     return True

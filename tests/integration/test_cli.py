@@ -72,6 +72,8 @@ def test_generate_with_the_half_draft(model_dir):
 def test_help_teaches():
     out = cli("--help")
     assert out.returncode == 0 and "serve verifier" in out.stdout
+    version = cli("--version")
+    assert version.returncode == 0 and version.stdout.startswith("specsplit 0.")
     out = cli("generate", "--help")
     assert "--draft" in out.stdout and "--json" in out.stdout
     text = " ".join(out.stdout.split())  # argparse wraps lines

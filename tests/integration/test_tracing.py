@@ -224,3 +224,41 @@ def test_metrics_count_what_the_stream_reports(target):
     assert delta["specsplit.draft.tokens.accepted"] == sum(s.num_accepted for s in stats) > 0
     assert delta["specsplit.generations"] == 1 and delta["specsplit.time_to_first_token"] == 1
     assert delta["specsplit.verifier.forward.duration"] >= len(stats)
+
+
+def test_prometheus_scrapes_the_orchestrator_and_the_verifier(model_dir):
+    """OTEL_METRICS_EXPORTER=prometheus: each process serves /metrics on its own port for a Prometheus scrape."""
+    import json
+    import re
+    import urllib.request
+
+    from processes import cli, serve
+    from redis_server import free_port
+
+    path, _ = model_dir
+    ports = {"verifier": free_port(), "orchestrator": free_port()}
+    env = {name: dict(OTEL_METRICS_EXPORTER="prometheus", OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
+                      OTEL_EXPORTER_PROMETHEUS_PORT=str(port)) for name, port in ports.items()}
+    procs = []
+    try:
+        verifier, verifier_addr = serve("verifier", "--target-model", str(path), **env["verifier"])
+        procs.append(verifier)
+        orch, orch_addr = serve("orchestrator", "--verifier", verifier_addr, "--target-model", str(path),
+                                **env["orchestrator"])
+        procs.append(orch)
+        out = cli("generate", "abcabcabcabc", "--orchestrator", orch_addr, "--max-new-tokens", "8", "--json",
+                  "--no-chat-template")
+        assert out.returncode == 0, out.stderr
+        tokens = json.loads(out.stdout)["token_ids"]
+        scraped = {name: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+                   for name, port in ports.items()}
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=20)
+    committed = re.search(r"^specsplit_tokens_committed_total\{[^}]*\} (\S+)$", scraped["orchestrator"], re.M)
+    assert committed and float(committed.group(1)) == len(tokens), scraped["orchestrator"]
+    forwards = re.search(r"^specsplit_verifier_forward_duration_milliseconds_count\{?[^}]*\}? (\S+)$",
+                         scraped["verifier"], re.M)
+    assert forwards and float(forwards.group(1)) >= 1, scraped["verifier"]
