@@ -21,10 +21,10 @@ from collections.abc import Iterator
 from opentelemetry import trace
 
 from orchestrator.detok import TextStream
-from orchestrator.requests import GenerationRequest, check_request, tokenize_prompt
 from orchestrator.drafts import DraftMixin
 from orchestrator.placement import KvPlacement
 from orchestrator.replicas import ReplicaSet
+from orchestrator.requests import GenerationRequest, check_request, tokenize_prompt
 from orchestrator.session import LiveSession, burst_sizer, controller_from_state, text_stream_at
 from specsplit import metrics as meter
 from specsplit.config import OrchestratorConfig
@@ -408,6 +408,7 @@ class Orchestrator(DraftMixin):
                 return hidden, [], "", hit
         kept, text, hit = session.stream.add(tokens)
         return hidden, kept, text, hit
+
 
 def record_round(stats: RoundStats, start: float) -> None:
     attributes = {"drafter": stats.drafter}

@@ -22,8 +22,8 @@ import grpc
 
 from specsplit.rpc import chunk_from_pb, generate_request_to_pb
 from specsplit.serving import CHANNEL_OPTIONS, open_channel
-from specsplit.tls import TLS
 from specsplit.stream import Chunk, RoundStats  # noqa: F401  (re-exported for SDK users)
+from specsplit.tls import TLS
 from specsplit.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 GenerateChunk = Chunk
