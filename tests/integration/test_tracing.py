@@ -196,6 +196,7 @@ def test_metrics_count_what_the_stream_reports(target):
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
+    from draft_service.proposers import ModelProposer
     from tiny import wait_for
 
     reader = InMemoryMetricReader()
@@ -212,7 +213,7 @@ def test_metrics_count_what_the_stream_reports(target):
         return out
 
     before = totals()
-    with start_stack(target, [NgramProposer(DraftConfig())]) as stack:
+    with start_stack(target, [ModelProposer(target, DraftConfig())]) as stack:  # the target as its own draft: accepted
         chunks = list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=20))
         stats = [c.stats for c in chunks if c.stats]
         wait_for(lambda: totals()["specsplit.verifier.sessions"] == before["specsplit.verifier.sessions"])
