@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 import grpc
 
 from specsplit.rpc import chunk_from_pb, generate_request_to_pb
-from specsplit.serving import CHANNEL_OPTIONS, open_channel
+from specsplit.serving import open_aio_channel, open_channel
 from specsplit.stream import Chunk, RoundStats  # noqa: F401  (re-exported for SDK users)
 from specsplit.tls import TLS
 from specsplit.v1 import orchestrator_pb2, orchestrator_pb2_grpc
@@ -166,17 +166,9 @@ class Client:
 
 class AsyncClient:
     def __init__(self, address: str, timeout: float | None = 600.0, tls: TLS | None = None):
-        from opentelemetry.instrumentation.grpc import aio_client_interceptors
-
         self.address = address
         self.timeout = timeout
-        tls = (tls or TLS()).for_calls()
-        if tls.calls:
-            self._channel = grpc.aio.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS,
-                                                    interceptors=aio_client_interceptors())
-        else:
-            self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS,
-                                                      interceptors=aio_client_interceptors())
+        self._channel = open_aio_channel(address, (tls or TLS()).for_calls())
         self._stub = orchestrator_pb2_grpc.OrchestratorServiceStub(self._channel)
 
     async def generate(self, prompt: str = "", *, messages: Sequence[dict] | None = None,

@@ -127,12 +127,22 @@ class _ClientTracing(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInt
 def open_channel(address: str, tls: TLS | None = None) -> grpc.Channel:
     """A client channel with specsplit's options, propagating trace context on every call; TLS when ``tls``
     (default: this process's, ``specsplit.tls.configure``) has a CA."""
+    return grpc.intercept_channel(_channel(grpc, address, tls), _ClientTracing())
+
+
+def open_aio_channel(address: str, tls: TLS | None = None) -> grpc.aio.Channel:
+    """``open_channel`` for asyncio clients (OpenTelemetry's aio interceptors carry the trace context)."""
+    from opentelemetry.instrumentation.grpc import aio_client_interceptors
+
+    return _channel(grpc.aio, address, tls, interceptors=aio_client_interceptors())
+
+
+def _channel(api, address: str, tls: TLS | None, **kwargs):
+    """``api.secure_channel`` or ``api.insecure_channel`` (api: grpc or grpc.aio) with specsplit's options."""
     tls = tls or current_tls()
     if tls.calls:
-        channel = grpc.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)
-    else:
-        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-    return grpc.intercept_channel(channel, _ClientTracing())
+        return api.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS, **kwargs)
+    return api.insecure_channel(address, options=CHANNEL_OPTIONS, **kwargs)
 
 
 def check_address(address: str) -> str:
