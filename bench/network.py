@@ -13,7 +13,11 @@ same processes and relays on loopback and says so in its output and results.
 
 For each RTT it runs every configuration on the same prompts (greedy; every output is checked token
 by token against HF greedy of the target), each configuration first warmed up, untimed, on a prompt of
-its own (--warmup-tokens; 0 measures cold starts, the adaptive triggers' learning included):
+its own (--warmup-tokens; 0 measures cold starts, the adaptive triggers' learning included). Every timed
+prompt is new to every configuration: the verifier keeps no prefix cache and the draft reuses no earlier
+session's cache, so each pays its prompt's prefill on both (--warm-caches: each is cached for every
+configuration alike, so the times are those of a conversation's next turn, or of a GPU verifier whose
+prefill is short):
 
     fixed-N     verify when the streamed tree has N nodes (--fixed-sizes; the best of them is "best fixed")
     edgellm     verify when tree confidence T < alpha, EdgeLLM's alpha rule
@@ -57,6 +61,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -209,7 +214,7 @@ def drive(args) -> None:
     results = []
     for rtt in args.rtts:
         # Configurations take turns prompt by prompt, so a change in the machine's load hits them alike.
-        orchs, runs = {}, {name: [] for name in args.config_list}
+        orchs, warmers, runs = {}, {}, {name: [] for name in args.config_list}
         for name in args.config_list:
             config = orchestrator_config(name, args.provisional_max, args.draft_timeout)
             draft_address = args.ngram if name == "ngram" else args.draft
@@ -217,6 +222,9 @@ def drive(args) -> None:
             orch.verifier_info  # connect (TCP + HTTP/2 setup through the relay) before timing
             orch.pick_draft(draft_choice(name, args.drafter))
             orchs[name] = orch
+            if args.warm_caches:
+                warmers[name] = Orchestrator([RemoteVerifier(verifiers[str(rtt)])], [RemoteDraft(draft_address)],
+                                             tokenizer, config)
             if args.warmup_tokens:  # untimed (see --warmup-tokens); every configuration alike
                 warm = GenerationRequest(prompt_token_ids=warm_ids,
                                          max_new_tokens=args.warmup_tokens, draft=draft_choice(name, args.drafter))
@@ -231,6 +239,9 @@ def drive(args) -> None:
                 prompt_ids, expected = references[prompt["id"]]
                 request = GenerationRequest(prompt_token_ids=prompt_ids, max_new_tokens=args.max_new_tokens,
                                             draft=draft_choice(name, args.drafter))
+                if args.warm_caches:  # untimed: the prompt's K/V cached on the verifier and the draft, by an
+                    for _ in warmers[name].generate(replace(request, max_new_tokens=2)):  # orchestrator of its own
+                        pass                                  # (the configuration's trigger learns nothing from it)
                 start = time.perf_counter()
                 chunks, at = [], []  # at: ms since the start when each chunk arrived
                 for chunk in orchs[name].generate(request):
@@ -259,6 +270,8 @@ def drive(args) -> None:
                 })
         for name in args.config_list:
             orchs[name].close()
+            if name in warmers:
+                warmers[name].close()
             row = summarize(rtt, name, runs[name])
             results.append(row)
             print(f"RTT {rtt:>3} ms  {name:<14} {row['tokens_per_s']:6.2f} tok/s  first tokens "
@@ -304,6 +317,13 @@ def parse_args(argv=None):
                         help="before timing, each configuration generates this many tokens from a warm-up prompt at "
                              "each RTT (untimed: a long-running orchestrator has measured the costs its adaptive "
                              "trigger needs; 0 = cold, the first timed prompt pays that learning) (default 96)")
+    parser.add_argument("--warm-caches", action="store_true",
+                        help="before each timed generation, an untimed one of 2 tokens from the same prompt, with the "
+                             "verifier's prefix cache and the draft's cache reuse on: every configuration finds its "
+                             "prompt cached on both (default: both off, every prompt computed whole). Never the "
+                             "services' defaults alone: configurations take turns on each prompt, and only the first "
+                             "to run a prompt would compute its prefill (measured: its first tokens 0.5-1 s later on a "
+                             "long prompt), so the turn order, not the configuration, would decide first-token times")
     parser.add_argument("--fixed-sizes", default="4,8,16", help="fixed tree sizes to compare (default 4,8,16)")
     parser.add_argument("--configs", default="", help="comma-separated subset of the configurations (default all)")
     parser.add_argument("--provisional-max", type=int, default=OrchestratorConfig.provisional_max,
@@ -369,10 +389,12 @@ def main(argv=None) -> int:
     py = sys.executable
     serve = [py, "-m", "specsplit.cli", "serve"]
     common = ["--threads", str(args.threads), "--device", "cpu"]
+    # Every timed prompt is new to every configuration (see --warm-caches): no prefix cache, no draft cache reuse.
+    cold_verifier, cold_draft = ([], []) if args.warm_caches else (["--prefix-cache-tokens", "0"], ["--no-cache-reuse"])
     try:
         model_args = ["--target-model", args.target_model] if args.target_model else []
         hosts.start(CLOUD_NS, "verifier", serve + ["verifier", "--listen", f"{hosts.cloud_ip}:{VERIFIER_PORT}",
-                                                  "--max-batch", "1", *model_args, *common], "serving on")
+                                                  "--max-batch", "1", *model_args, *common, *cold_verifier], "serving on")
         verifiers = {}
         for i, rtt in enumerate(args.rtts):
             port = RELAY_PORT0 + i
@@ -387,7 +409,8 @@ def main(argv=None) -> int:
                                                                  if args.draft_artifact else [])}[args.drafter]
         width = ["--grow-width", str(args.grow_width)] if args.grow_width else []  # default: the service's
         hosts.start(EDGE_NS, "draft", serve + ["draft", "--listen", f"{hosts.edge_ip}:{DRAFT_PORT}", *drafter, *width,
-                                              "--branch-threshold", str(args.branch_threshold), *common], "serving on")
+                                              "--branch-threshold", str(args.branch_threshold), *common, *cold_draft],
+                    "serving on")
         hosts.start(EDGE_NS, "ngram", serve + ["draft", "--listen", f"{hosts.edge_ip}:{NGRAM_PORT}", "--draft", "ngram",
                                               *common], "serving on")
         driver_out = logdir / "driver.json"
@@ -398,6 +421,7 @@ def main(argv=None) -> int:
             "--prompts", args.prompts, "--code-prompt", args.code_prompt, "--max-new-tokens", str(args.max_new_tokens),
             "--configs", ",".join(args.config_list), "--provisional-max", str(args.provisional_max),
             "--drafter", args.drafter, "--warmup-tokens", str(args.warmup_tokens),
+            *(["--warm-caches"] if args.warm_caches else []),
             "--threads", str(args.threads), "--draft-timeout", str(args.draft_timeout)] + (["--target-model", args.target_model] if args.target_model else [])
         subprocess.run(cmd, check=True, cwd=ROOT)
         rows = json.loads(driver_out.read_text())
@@ -408,6 +432,7 @@ def main(argv=None) -> int:
     for r in rows:
         r["network"] = network
         r["draft_growth"] = {"grow_width": args.grow_width, "branch_threshold": args.branch_threshold}
+        r["warm_caches"] = args.warm_caches
         r["drafter"] = f"model:{draft_model}" if args.drafter == "model" else args.drafter
         if args.drafter.startswith("half"):
             r["draft_dtype"] = args.draft_dtype or "auto"

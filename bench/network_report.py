@@ -34,7 +34,9 @@ def report(data: dict, out: pathlib.Path) -> str:
     lines = ["# Edge-cloud network benchmark", "", data.get("conditions", ""), ""]
     for rtt in rtts:
         at = [r for r in rows if r["rtt_ms"] == rtt]
-        lines += [f"## RTT {rtt} ms ({at[0].get('network', data.get('network', ''))})", "",
+        caches = {True: "; prompts cached on the verifier and the draft before each run (--warm-caches)",
+                  False: "; every prompt computed whole (cold caches)"}.get(at[0].get("warm_caches"), "")
+        lines += [f"## RTT {rtt} ms ({at[0].get('network', data.get('network', ''))}{caches})", "",
                   "| config | provisional | tokens/s | first tokens ms | tokens/s after them | tau | verifications / 100 tok "
                   "| wasted draft tokens | provisional kept | burst tokens | identical to HF |",
                   "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
