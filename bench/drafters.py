@@ -21,8 +21,10 @@ Greedy decoding with the default target (SmolLM2-135M-Instruct, fp32, CPU). Meth
 Per prompt and method: tau (tokens committed per verification round), acceptance by depth (of the
 rounds whose tree reached depth k, the share that accepted at least k draft tokens), tokens/s and
 speedup vs hf_greedy, draft ms per drafted round, feature bytes per round, and whether the output is
-token-identical to hf_greedy. Artifacts default to the shipped ones for the target (a method whose
-artifact is missing is skipped, and the report says so). Writes <out>/drafters.json and drafters.md.
+token-identical to hf_greedy. Every timed generation computes its whole prompt, as HF generate does (the verifier
+keeps no prefix cache, drafts reuse no ended session's cache: ``run.COLD_VERIFIER``). Artifacts default to the
+shipped ones for the target (a method whose artifact is missing is skipped, and the report says so). Writes
+<out>/drafters.json and drafters.md.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
 
 from draft_service.dtypes import calibrate  # noqa: E402
-from run import chat_ids, geomean, hf_generate, load_prompts  # noqa: E402 (bench/run.py)
+from run import COLD_VERIFIER, chat_ids, geomean, hf_generate, load_prompts  # noqa: E402 (bench/run.py)
 from specsplit.client import Client  # noqa: E402
 from specsplit.config import DraftConfig, OrchestratorConfig  # noqa: E402
 from specsplit.heads import (FeatureDrafter, Manifest, MedusaHeads, build_draft_lm, draft_lm_manifest_config,  # noqa: E402
@@ -265,7 +267,7 @@ def main(argv=None) -> None:
     prompts = load_prompts(args.prompts, [k for k in args.kinds.split(",") if k], args.limit)
     target = load_model(None, "cpu", "float32")
     methods = [m for m in args.methods.split(",") if m]
-    config = DraftConfig(model_top_k=args.top_k, model_depth=args.depth)
+    config = DraftConfig(model_top_k=args.top_k, model_depth=args.depth, reuse_ended=False)  # cold: see COLD_VERIFIER
     skipped: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
@@ -290,11 +292,11 @@ def main(argv=None) -> None:
         hf = HFWorker(args.threads, str(lm_dir) if lm_dir and "hf_assisted" in methods else None,
                       half_assistant="hf_assisted_half" in methods)
         dtype = ["--draft-dtype", args.draft_dtype] if args.draft_dtype else []
-        processes = [DraftProcess(["--draft", m, "--threads", str(args.draft_threads), *dtype])
+        processes = [DraftProcess(["--draft", m, "--threads", str(args.draft_threads), "--no-cache-reuse", *dtype])
                      for m in ("half", "half+ngram") if m in methods]
         results: list[Result] = []
-        with start_stack(target, proposers, medusa=medusa, orchestrator_config=OrchestratorConfig(trigger=args.trigger),
-                         processes=processes) as stack, Client(stack.address) as client, \
+        with start_stack(target, proposers, COLD_VERIFIER, medusa=medusa,
+                         orchestrator_config=OrchestratorConfig(trigger=args.trigger), processes=processes) as stack, Client(stack.address) as client, \
                 contextlib.closing(hf):
             warm = chat_ids(target.tokenizer, WARMUP_PROMPT)
             hf.generate(warm, 8)
