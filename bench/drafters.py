@@ -296,8 +296,8 @@ def main(argv=None) -> None:
                      for m in ("half", "half+ngram") if m in methods]
         results: list[Result] = []
         with start_stack(target, proposers, COLD_VERIFIER, medusa=medusa,
-                         orchestrator_config=OrchestratorConfig(trigger=args.trigger), processes=processes) as stack, Client(stack.address) as client, \
-                contextlib.closing(hf):
+                         orchestrator_config=OrchestratorConfig(trigger=args.trigger), processes=processes) as stack, \
+                Client(stack.address) as client, contextlib.closing(hf):
             warm = chat_ids(target.tokenizer, WARMUP_PROMPT)
             hf.generate(warm, 8)
             for method in methods:

@@ -4,9 +4,8 @@
 
 The default target (SmolLM2-135M-Instruct, fp32, CPU) runs HF generate in a child process and the
 embedded specsplit stack (verifier + n-gram draft + orchestrator, real gRPC on loopback) in this one;
-the two take turns, never overlap. Every timed run computes its whole prompt, as HF generate does (``COLD_VERIFIER``).
-Writes <out>/pipeline.json (raw numbers) and <out>/pipeline.md
-(tables, also printed).
+the two take turns, never overlap. Every timed run computes its whole prompt, as HF generate does
+(``COLD_VERIFIER``). Writes <out>/pipeline.json (raw numbers) and <out>/pipeline.md (tables, also printed).
 """
 
 from __future__ import annotations
