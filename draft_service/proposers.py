@@ -15,7 +15,8 @@ from typing import Protocol
 import torch
 
 from draft_service.ngram import NgramProposer
-from draft_service.rounds import GrowthControl, GrowthRound, draft_sampling, grow_top_tree, growth_policy
+from draft_service.rounds import (GrowthControl, GrowthRound, SpanAgreement, draft_sampling, grow_top_tree,
+                                  growth_policy)
 from specsplit.growth import GrowingTree, GrowthStep
 from specsplit.lookup import SpanLookup
 from specsplit.provisional import reconcile_provisional
@@ -55,6 +56,7 @@ class _ModelSession:
     path_probs: list[float] = field(default_factory=list)  # [P]
     warming: Future | None = None  # the prompt's prefill, started with the session (the first round waits on it)
     lookup: SpanLookup | None = None  # prompt lookup over the committed tokens (a draft that copies spans)
+    spans: SpanAgreement = field(default_factory=SpanAgreement)  # how much of its copied spans the draft agreed with
 
 
 PREFILL_MIN_TOKENS = 4  # forwards of this many tokens or more (prompts, copied spans) go through prefill_model
@@ -199,7 +201,8 @@ class ModelProposer:
             for node in [n for n in slot if n >= num_verified]:
                 del slot[node]  # their cache rows stay (masked out) until the compaction in _keep_path
 
-        round_ = GrowthRound(forward, forget, lookup=self._lookup(session, token_ids) if self.copies else None)
+        round_ = GrowthRound(forward, forget, lookup=self._lookup(session, token_ids) if self.copies else None,
+                             spans=session.spans)
         try:
             yield from round_.run(seed, max_nodes, growth_policy(self.config), control, provisional_max)
         finally:

@@ -15,7 +15,7 @@ import torch
 
 from specsplit.config import DraftConfig
 from specsplit.growth import GrowingTree, GrowthPolicy, GrowthStep, best_leaf, grow_tree
-from specsplit.lookup import LOOKUP_PROB
+from specsplit.lookup import COPY_MIN_HITS, LOOKUP_PROB, SPAN_PROBE, span_share
 from specsplit.sampling import SamplingParams, session_generator
 from specsplit.tree import SparseDist, TokenTree
 
@@ -95,6 +95,20 @@ def chain_below(tree: GrowingTree, leaf: int, start: int) -> list[int]:
     return chain
 
 
+class SpanAgreement:
+    """The decayed share of a session's copied-span tokens its draft model agreed with: whether the next span's check
+    runs over the whole span or first over ``SPAN_PROBE`` of its tokens (``specsplit.lookup``)."""
+
+    def __init__(self):
+        self.share = 0.0  # before any span: probe first
+
+    def whole(self) -> bool:
+        return self.share >= COPY_MIN_HITS
+
+    def observe(self, agreed: int, checked: int) -> None:
+        self.share = span_share(self.share, agreed, checked)
+
+
 class GrowthRound:
     """One streamed DraftTree round of a draft model, whatever the model: grow, then draft provisionally.
 
@@ -104,10 +118,13 @@ class GrowthRound:
     After ``run``, ``tree`` holds the round's nodes and ``leaf`` the end of the provisional path (-1: none).
     """
 
-    def __init__(self, forward, forget, vocab_ids: torch.Tensor | None = None, lookup=None):
+    def __init__(self, forward, forget, vocab_ids: torch.Tensor | None = None, lookup=None,
+                 spans: SpanAgreement | None = None):
         """lookup(path_tokens) -> list[int]: a continuation copied from the session's text (prompt lookup) for
-        the committed tokens + ``path_tokens``, or []; provisional drafting takes it before drafting on."""
+        the committed tokens + ``path_tokens``, or []; provisional drafting takes it before drafting on. spans: how
+        much of the session's earlier spans the model agreed with (kept across rounds; default: this round's own)."""
         self.forward, self.forget, self.vocab_ids, self.lookup = forward, forget, vocab_ids, lookup
+        self.spans = spans or SpanAgreement()
         self.tree = GrowingTree()
         self.leaf = -1
         self._top, self._prob = -1, 0.0  # the model's next token at the last leaf _copy looked at, its prob
@@ -196,8 +213,9 @@ class GrowthRound:
     def _copy(self, leaf: int, limit: int, row: torch.Tensor | None = None) -> list[int]:
         """Prompt lookup's continuation after ``leaf`` (-1: the root), at most ``limit`` tokens, as far as the model
         drafts it too: the span is tried only if it is longer than one token and its first token is the model's own
-        next token there; then one forward over all of it keeps the prefix along which the model's next token is each
-        time the span's next one. Returns the kept nodes (added under ``leaf``, their probabilities the model's), or []
+        next token there; then a forward over it keeps the prefix along which the model's next token is each time the
+        span's next one (while the session's spans have mostly been left early, ``SpanAgreement``, a forward over its
+        first ``SPAN_PROBE`` tokens goes first, and the rest only follows if the model agreed with all of them). Returns the kept nodes (added under ``leaf``, their probabilities the model's), or []
         (nothing added). Either way the model's next token after ``leaf`` and its probability are left in
         ``_top``/``_prob``. row: the leaf's next-token logits [V'] when already known; the lookup runs first, so the
         root's are only asked for when a span was found.
@@ -215,15 +233,23 @@ class GrowthRound:
         if len(span) < 2 or span[0] != self._top:
             return []
         first, parent = len(self.tree), leaf
-        for token in span:
-            parent = self.tree.add(parent, token, LOOKUP_PROB)
-        probs = self._logits(list(range(first, len(self.tree)))).softmax(dim=-1)  # [S, V'] row i: after span[i]
-        best, indices = probs.max(dim=-1)  # [S] each
         agreed = [self._prob]  # [K] the model's probability of each kept span token
-        for i in range(1, len(span)):
-            if self._token(int(indices[i - 1])) != span[i]:
-                break
-            agreed.append(float(best[i - 1]))
+        done = 0  # span tokens in the tree and run
+        probe = len(span) if self.spans.whole() else min(SPAN_PROBE, len(span))
+        for end in dict.fromkeys((probe, len(span))):  # the first `probe` tokens, then the rest if all were agreed
+            for token in span[done:end]:
+                parent = self.tree.add(parent, token, LOOKUP_PROB)
+            nodes = list(range(first + done, first + end))  # [E] span[done:end]
+            probs = self._logits(nodes).softmax(dim=-1)  # [E, V'] row j: after span[done + j]
+            best, indices = probs.max(dim=-1)  # [E] each
+            for j in range(end - done):
+                if done + j + 1 == len(span) or self._token(int(indices[j])) != span[done + j + 1]:
+                    break
+                agreed.append(float(best[j]))
+            done = end
+            if len(agreed) <= end < len(span):
+                break  # the model left the span within these tokens
+        self.spans.observe(len(agreed), len(span))
         kept = list(range(first, first + len(agreed)))  # [K] node ids
         self._truncate(first + len(agreed))
         for node, p in zip(kept, agreed):  # root down: each node's confidence from its parent's, already set

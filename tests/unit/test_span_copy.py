@@ -1,0 +1,71 @@
+"""A draft that copies prompt-lookup spans keeps the prefix its model agrees with, checking a span in pieces while
+the session's spans have mostly been left early (draft_service.rounds.GrowthRound, SpanAgreement)."""
+
+import torch
+
+from draft_service.drafter import GrowthControl
+from draft_service.rounds import GrowthRound, SpanAgreement
+from specsplit.growth import GrowthPolicy
+from specsplit.lookup import SPAN_PROBE
+
+VOCAB = 64
+ROOT_NEXT = 1  # the toy model's next token after the committed text; after token t it is t + 1
+
+
+def toy_round(span, spans=None):
+    """A GrowthRound whose model always continues t -> t + 1 (mod VOCAB), the lookup always finding ``span``.
+    Returns (round, sizes of its forwards)."""
+    sizes = []
+
+    def forward(tree, nodes):
+        sizes.append(len(nodes))
+        logits = torch.full((len(nodes), VOCAB), -10.0)  # [F, V]
+        for row, node in enumerate(nodes):
+            logits[row, ROOT_NEXT if node < 0 else (tree.token_ids[node] + 1) % VOCAB] = 10.0
+        return logits
+
+    return GrowthRound(forward, lambda n: None, lookup=lambda path: list(span), spans=spans), sizes
+
+
+def first_step(round_):
+    """The round's first step: the span copied at the root (no seed), as far as the model agreed."""
+    return next(round_.run([], 32, GrowthPolicy(), GrowthControl(), 0))
+
+
+def test_a_span_is_kept_as_far_as_the_model_agrees():
+    round_, _ = toy_round([1, 2, 3, 9, 9, 9, 9, 9])
+    step = first_step(round_)
+    assert step.token_ids == (1, 2, 3)
+    assert step.parents == (-1, 0, 1)
+
+
+def test_a_span_left_early_costs_one_small_forward():
+    spans = SpanAgreement()  # a new session: nothing agreed yet
+    round_, sizes = toy_round([1, 2, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7], spans)
+    assert first_step(round_).token_ids == (1, 2)
+    assert sizes == [1, SPAN_PROBE]  # the root's row, then the probe: not the 16-token forward
+    assert spans.share < 0.5
+
+
+def test_an_agreed_probe_checks_the_rest_in_one_forward():
+    round_, sizes = toy_round(list(range(1, 17)))
+    assert first_step(round_).token_ids == tuple(range(1, 17))
+    assert sizes == [1, SPAN_PROBE, 16 - SPAN_PROBE]
+
+
+def test_spans_mostly_agreed_are_checked_whole():
+    spans = SpanAgreement()
+    for _ in range(3):
+        round_, sizes = toy_round(list(range(1, 17)), spans)
+        first_step(round_)
+    assert spans.whole()
+    assert sizes == [1, 16]
+
+
+def test_probing_keeps_what_a_whole_check_keeps():
+    whole = SpanAgreement()
+    whole.share = 1.0
+    for cut in range(1, 10):  # the model leaves the span after `cut` tokens
+        span = list(range(1, cut + 1)) + [15] * (9 - cut)
+        kept = {first_step(toy_round(span, spans)[0]).token_ids for spans in (SpanAgreement(), whole)}
+        assert kept == {tuple(range(1, cut + 1))}, cut
