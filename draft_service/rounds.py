@@ -215,10 +215,11 @@ class GrowthRound:
         drafts it too: the span is tried only if it is longer than one token and its first token is the model's own
         next token there; then a forward over it keeps the prefix along which the model's next token is each time the
         span's next one (while the session's spans have mostly been left early, ``SpanAgreement``, a forward over its
-        first ``SPAN_PROBE`` tokens goes first, and the rest only follows if the model agreed with all of them). Returns the kept nodes (added under ``leaf``, their probabilities the model's), or []
-        (nothing added). Either way the model's next token after ``leaf`` and its probability are left in
-        ``_top``/``_prob``. row: the leaf's next-token logits [V'] when already known; the lookup runs first, so the
-        root's are only asked for when a span was found.
+        first ``SPAN_PROBE`` tokens goes first, and the rest only follows if the model agreed with all of them).
+        Returns the kept nodes (added under ``leaf``, their probabilities the model's), or [] (nothing added). Either
+        way the model's next token after ``leaf`` and its probability are left in ``_top``/``_prob``. row: the leaf's
+        next-token logits [V'] when already known; the lookup runs first, so the root's are only asked for when a span
+        was found.
 
         (Without the second check, a span the model agreed with only at its first token went out whole: on chat, a
         chance match then was the start of most of a pipelined tree of 25-31 nodes with 1-7 accepted, each a round trip

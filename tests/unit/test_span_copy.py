@@ -63,9 +63,11 @@ def test_spans_mostly_agreed_are_checked_whole():
 
 
 def test_probing_keeps_what_a_whole_check_keeps():
-    whole = SpanAgreement()
-    whole.share = 1.0
     for cut in range(1, 10):  # the model leaves the span after `cut` tokens
+        whole = SpanAgreement()
+        whole.share = 1.0  # checked whole at once
         span = list(range(1, cut + 1)) + [15] * (9 - cut)
-        kept = {first_step(toy_round(span, spans)[0]).token_ids for spans in (SpanAgreement(), whole)}
+        runs = {name: toy_round(span, spans) for name, spans in (("probe", SpanAgreement()), ("whole", whole))}
+        kept = {first_step(round_).token_ids for round_, _ in runs.values()}
         assert kept == {tuple(range(1, cut + 1))}, cut
+        assert runs["whole"][1] == [1, 9] and runs["probe"][1][:2] == [1, SPAN_PROBE]
