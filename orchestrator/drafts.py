@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 
 from orchestrator.session import LiveSession
-from orchestrator.trigger import RoundOutcome, make_trigger, tree_confidence
+from orchestrator.trigger import RoundOutcome, leaves_stub, make_trigger, tree_confidence
 from specsplit.errors import FailedPrecondition, InvalidArgument
 from specsplit.growth import GrowingTree, best_leaf
 from specsplit.lookup import LOOKUP_PROB, SpanLookup, span_hits, use_bridge, use_span
@@ -205,7 +205,8 @@ class DraftMixin:
                 parent = -1
                 for token, prob in ahead[:max_nodes]:
                     parent = tree.add(parent, token, prob)
-                if trigger.should_verify(tree.confidence[parent], len(tree)):
+                if trigger.should_verify(tree.confidence[parent], len(tree)) and \
+                        not leaves_stub(len(tree), max_nodes, remaining):
                     start.ahead = ahead
                     start.seeded = len(tree)  # pipelined: the draft seeds these same tokens and goes on from them
                     trace.get_current_span().set_attribute("specsplit.pipelined", True)
@@ -266,7 +267,8 @@ class DraftMixin:
                         break
                     live = add(step)
                     if step.done or len(tree) >= max_nodes or \
-                            trigger.should_verify(tree_confidence(tree.confidence, live), len(tree), fresh=fresh):
+                            trigger.should_verify(tree_confidence(tree.confidence, live), len(tree), fresh=fresh) and \
+                            not leaves_stub(len(tree), max_nodes, remaining):
                         # Steps the draft grew before they were read (a first round, grown while the verifier cached
                         # the prompt) cost no wait: the trigger may verify them too, rather than leave them to the
                         # next round (the draft's growth past the verified nodes; one round trip later).

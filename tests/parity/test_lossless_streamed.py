@@ -92,6 +92,22 @@ def test_pipelined_verification(target, trigger, pipeline):
         assert at_once > 0
 
 
+@pytest.mark.parametrize("provisional", [0, 8])
+def test_a_request_s_last_tokens_join_the_last_tree(target, provisional):
+    """A tree that, accepted whole, would leave one or two of the request's tokens grows on to take them, rather than
+    leave them to a round of their own (a verification and a round trip): with the target as the draft (a chain, all
+    accepted) and fixed-4 trees, every request of 6 to 19 tokens ends on a round that commits at least 3, and none has
+    a target-only round."""
+    same = tiny_loaded(seed=0, layers=2)
+    config = OrchestratorConfig(trigger="fixed", fixed_tree_nodes=4, provisional_max=provisional, share_estimates=False)
+    with start_stack(target, [ModelProposer(same, DraftConfig(grow_width=1))], orchestrator_config=config) as stack:
+        for max_new_tokens in range(6, 20):
+            tokens, stats = run(stack, PROMPTS[0], max_new_tokens)
+            assert tokens == hf_greedy(target.model, PROMPTS[0], max_new_tokens)
+            committed = [s.num_committed for s in stats]
+            assert committed[-1] >= 3 and all(s.num_draft_tokens for s in stats), (max_new_tokens, committed)
+
+
 def generate_200_ms_away(target, config: OrchestratorConfig, runs: int = 1) -> list:
     """Chunks of a 24-token generation of PROMPTS[0] with the verifier behind the benchmark's delaying TCP relay
     (200 ms round trip) and the target itself as the draft (chains), each service in its own server; with ``runs``

@@ -2,8 +2,8 @@
 
 import pytest
 
-from orchestrator.trigger import (EdgeLLMThreshold, FixedSize, GoodputThreshold, RoundOutcome, fit_gamma,
-                                  make_trigger, tree_confidence)
+from orchestrator.trigger import (FINISH_NODES, EdgeLLMThreshold, FixedSize, GoodputThreshold, RoundOutcome, fit_gamma,
+                                  leaves_stub, make_trigger, tree_confidence)
 
 
 def outcome(n_all, n_ok, committed=None, round_ms=100.0, steps=4, draft_ms=40.0, confidences=None):
@@ -267,3 +267,11 @@ def test_goodput_does_not_measure_the_draft_catching_up():
     t.observe(RoundOutcome(0, 0, (), 1, 40.0, 0, 0.0, plain=True))
     t.observe(outcome(4, 4, committed=5, round_ms=900.0))  # caught up on the target-only round's token first
     assert t.drafted == (5.0, 100.0)
+
+
+def test_a_tree_that_would_leave_a_stub_of_the_request_grows_on():
+    remaining = 12  # tokens the request still wants: a tree of at most 11 nodes (the bonus token is the 12th)
+    assert leaves_stub(11 - FINISH_NODES, 11, remaining) and leaves_stub(10, 11, remaining)
+    assert not leaves_stub(11 - FINISH_NODES - 1, 11, remaining)  # enough left for a round of its own
+    assert not leaves_stub(11, 11, remaining)  # the tree takes the rest already
+    assert not leaves_stub(10, 11, remaining=40)  # the node budget bounds the tree, not the request's end
