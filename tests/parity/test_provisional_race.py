@@ -217,8 +217,10 @@ def test_copied_span_starts_the_tree_when_the_model_agrees(model):
     greedy = hf_greedy(model.model, PROMPT, 24)
     proposer = ModelProposer(model, DraftConfig(branch_threshold=1.0), copies=True)
 
-    def grown(session_id, span):
+    def grown(session_id, span, whole=False):
         proposer.start(session_id, PROMPT)
+        if whole:  # the session's earlier spans were mostly agreed: a span is checked whole at once
+            proposer._sessions[session_id].spans.share = 1.0
         proposer._lookup = lambda session, token_ids: (lambda path: span if path == [] else [])
         forwards = []
         real_expand = proposer._expand
@@ -235,8 +237,11 @@ def test_copied_span_starts_the_tree_when_the_model_agrees(model):
     steps, forwards = grown("g", greedy[:5])
     assert steps[0].first == 0 and steps[0].token_ids == tuple(greedy[:5]) and steps[0].parents == (-1, 0, 1, 2, 3)
     assert tokens_of(steps) == greedy[:8]
-    assert forwards[0] == [0, 1, 2, 3, 4]  # the span's nodes: one forward, before the span was sent
-    assert [0, 1, 2, 3, 4] not in forwards[1:] and [4] not in forwards  # its leaf's row came from that forward
+    # the span's nodes, before the span was sent: a new session's spans are probed (SPAN_PROBE tokens), then the rest
+    assert forwards[:2] == [[0, 1], [2, 3, 4]]
+    assert [2, 3, 4] not in forwards[2:] and [4] not in forwards  # its leaf's row came from that forward
+    steps, forwards = grown("h", greedy[:5], whole=True)
+    assert forwards[0] == [0, 1, 2, 3, 4] and tokens_of(steps) == greedy[:8]  # one forward over the whole span
 
     steps, _ = grown("w", [(greedy[0] + 1) % 300, *greedy[1:5]])
     assert len(steps[0].token_ids) == 1 and tokens_of(steps) == greedy[:8]
