@@ -266,9 +266,9 @@ class DraftMixin:
                     if step is None or step.provisional:
                         break
                     live = add(step)
-                    if step.done or len(tree) >= max_nodes or \
-                            trigger.should_verify(tree_confidence(tree.confidence, live), len(tree), fresh=fresh) and \
-                            not leaves_stub(len(tree), max_nodes, remaining):
+                    if step.done or len(tree) >= max_nodes or (
+                            trigger.should_verify(tree_confidence(tree.confidence, live), len(tree), fresh=fresh)
+                            and not leaves_stub(len(tree), max_nodes, remaining)):
                         # Steps the draft grew before they were read (a first round, grown while the verifier cached
                         # the prompt) cost no wait: the trigger may verify them too, rather than leave them to the
                         # next round (the draft's growth past the verified nodes; one round trip later).
