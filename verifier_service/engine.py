@@ -26,6 +26,7 @@ another replica (after failover, an import or a re-prefill) continues with exact
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -50,6 +51,7 @@ from verifier_service.work import (BatchStats, ExportWork, ImportWork, PrefillRe
                                    TargetSession, VerifyResult, VerifyWork)
 
 tracer = trace.get_tracer(__name__)
+log = logging.getLogger(__name__)
 
 ACTIVE_WINDOW_S = 1.0  # a session answered longer ago than this is idle: no tick waits for it
 
@@ -68,6 +70,10 @@ class TargetEngine(KVTransfer):
         self.dtype = self.model.dtype
         self.stats = BatchStats()
         self._num_layers = int(self.model.config.num_hidden_layers)
+        model_config = self.model.config
+        heads = int(model_config.num_attention_heads)
+        self._kv_shape = (int(getattr(model_config, "num_key_value_heads", None) or heads),  # (H_kv, D) of its K/V
+                          int(getattr(model_config, "head_dim", None) or model_config.hidden_size // heads))
         self._packed_forward = packed_forward_for(self.model, self.config.lean_forward)
         self._store = SlotStore(self.config.max_sessions, self.config.kv_grow_tokens)
         self._prefixes = PrefixCache(self.config.prefix_cache_tokens)
@@ -132,7 +138,7 @@ class TargetEngine(KVTransfer):
                     span.set_attribute("specsplit.feature_bytes", result.features.nbytes)
                 return result
         except BaseException:
-            self.release(session_id)
+            self.release(session_id, expected=session)
             raise
         finally:
             session.lock.release()
@@ -189,22 +195,29 @@ class TargetEngine(KVTransfer):
                     span.set_attribute("specsplit.feature_bytes", result.features.nbytes)
             return result
 
-    def release(self, session_id: str) -> bool:
+    def release(self, session_id: str, expected: TargetSession | None = None) -> bool:
+        """expected: release only that session (see ``SessionTable.release``)."""
         # Queued under the table's lock: a Prefill admitted after this Release is queued after it, so the
         # slot is free again by the time that Prefill needs one.
         return self._sessions.release(session_id, lambda session: self._scheduler.submit(
-            ReleaseWork(session, 0, session=session)))
+            ReleaseWork(session, 0, session=session)), expected)
 
     # -- the model thread ----------------------------------------------------------------------------
     def _tick(self, works: list[Work]) -> list[Work]:
         """Run one tick; then the parked prefills whose shared start is computed now (or whose session went)
         continue, their first chunk in the next tick."""
-        continuing = self._run_tick(works)
+        try:
+            continuing = self._run_tick(works)
+        except BaseException as err:  # outside a forward (those fail their own works): fail this tick's works
+            for work in works:        # with their bookkeeping, not just their futures (the scheduler's backstop)
+                self._fail(work, err)
+            continuing = []
         parked, self._parked = self._parked, []
         for work in parked:
-            if work.session.released or self._start_prefill(work):
+            started = True if work.session.released else self._begin_prefill(work)
+            if started:
                 continuing.append(work)
-            else:
+            elif started is False:
                 self._parked.append(work)
         return continuing
 
@@ -218,7 +231,7 @@ class TargetEngine(KVTransfer):
             if isinstance(work, ReleaseWork):
                 if session.slot >= 0:
                     if session.answered_at:  # all of its cache is in place: kept for a conversation's next turn
-                        self._prefixes.keep(self._store, session.slot, session.token_ids[:-1], self._num_layers)
+                        self._keep(session, session.token_ids[:-1])
                     self._store.release(session.slot)
                     session.slot = -1
                 work.future.set_result(True)
@@ -233,9 +246,13 @@ class TargetEngine(KVTransfer):
                     except ResourceExhausted as err:
                         self._fail(work, err)
                         continue
-                if not work.started and not self._start_prefill(work):
-                    self._parked.append(work)  # an in-flight prompt is computing the start they share
-                    continue
+                if not work.started:
+                    started = self._begin_prefill(work)
+                    if started is None:  # failed (and answered)
+                        continue
+                    if not started:
+                        self._parked.append(work)  # an in-flight prompt is computing the start they share
+                        continue
                 if work.done == len(work.token_ids):  # nothing (more) to cache: a one-token or a kept prompt
                     session.answered_at = time.perf_counter()
                     work.future.set_result(PrefillResult(session.committed_length, ms_since(work.enqueued),
@@ -360,6 +377,26 @@ class TargetEngine(KVTransfer):
         session.token_ids.extend(verdict.committed_token_ids)
         return verdict
 
+    def _begin_prefill(self, work: PrefillWork) -> bool | None:
+        """``_start_prefill``; None if it failed (copying a shared start can grow the K/V store past the device's
+        memory): that prefill is answered with the error, and the tick and the other waiting prefills go on."""
+        try:
+            return self._start_prefill(work)
+        except Exception as err:
+            self._fail(work, err)
+            return None
+
+    def _keep(self, session: TargetSession, token_ids: list[int]) -> None:
+        """Keep a session's prompt K/V for later prompts that share its start (``PrefixCache.keep``), unless its
+        cache is not exactly what this verifier computes (imported from a blob of another precision: copied into
+        other sessions, its rounding would change their tokens). A failure to keep (memory) costs only reuse."""
+        if not session.exact_kv:
+            return
+        try:
+            self._prefixes.keep(self._store, session.slot, token_ids, self._num_layers)
+        except Exception as err:
+            log.warning("could not keep a prompt's K/V for reuse (%s); later prompts compute it", err)
+
     def _start_prefill(self, work: PrefillWork) -> bool:
         """A prefill's start: the prompt's start shared with a kept prompt or one being prefilled now is copied
         (``PrefixCache.share``). False: an in-flight prompt is still computing a longer shared start; it waits."""
@@ -389,7 +426,7 @@ class TargetEngine(KVTransfer):
             continuing.append(work)
         else:
             session = work.session
-            self._prefixes.keep(self._store, session.slot, work.token_ids, self._num_layers)
+            self._keep(session, work.token_ids)
             features = proposal = None
             if work.hidden:
                 hidden = torch.cat(work.hidden)  # [P-1, H] every cached prompt position
@@ -401,6 +438,8 @@ class TargetEngine(KVTransfer):
                                                  work.copied))
 
     def _fail(self, work: Work, err: BaseException) -> None:
+        if work.future.done():  # answered already (a tick failing after some of its works were)
+            return
         if isinstance(work, PrefillWork):
             self._sessions.cached(len(work.token_ids) - work.done)
             work.done = len(work.token_ids)

@@ -75,8 +75,10 @@ def cached_length(blob: bytes) -> int:
     return layers[0][0][-2] if layers else 0
 
 
-def layers_from_bytes(blob: bytes, num_layers: int) -> Layers:
-    """CPU tensors ([H_kv, S, D], the blob's dtype) of a blob made for a model with ``num_layers`` layers."""
+def layers_from_bytes(blob: bytes, num_layers: int, kv_shape: tuple[int, int] | None = None) -> Layers:
+    """CPU tensors ([H_kv, S, D], the blob's dtype) of a blob made for a model with ``num_layers`` layers (and, if
+    given, ``kv_shape`` = (H_kv, D) K/V heads and head size: a blob of another model is refused here, before its
+    tensors could become the shape of an empty verifier's K/V store)."""
     header = header_of(blob)
     stored = DTYPES[header["dtype"]]
     offset = header["offset"]
@@ -93,6 +95,9 @@ def layers_from_bytes(blob: bytes, num_layers: int) -> Layers:
             shape = shape[-3:] if len(shape) == 4 and shape[0] == 1 else shape  # [1, H_kv, S, D] (older blobs)
             if len(shape) != 3:
                 raise InvalidArgument(f"KV blob layer shape {shape} is not [H_kv, S, D]")
+            if kv_shape is not None and (shape[0], shape[2]) != tuple(kv_shape):
+                raise InvalidArgument(f"KV blob layer shape {list(shape)} does not fit this model ({kv_shape[0]} K/V "
+                                      f"heads of size {kv_shape[1]}): a blob of another model")
             size = width * _numel(shape)
             if offset + size > len(blob):
                 raise InvalidArgument("KV blob is truncated")

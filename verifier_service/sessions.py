@@ -70,13 +70,17 @@ class SessionTable:
         except KeyError:
             raise NotFound(f"unknown session {session_id!r}: it was never prefilled here, or was released") from None
 
-    def release(self, session_id: str, then: Callable[[TargetSession], None]) -> bool:
+    def release(self, session_id: str, then: Callable[[TargetSession], None],
+                expected: TargetSession | None = None) -> bool:
         """Forget the session and call ``then(session)`` under the table's lock (so that whatever it queues comes
-        before the work of any session admitted after); False if there was none."""
+        before the work of any session admitted after); False if there was none. ``expected``: only that session --
+        a failed Prefill or import cleaning up after itself must not release a newer session that took its id
+        meanwhile (a Release, then a resumed session's Prefill, while the failed one's tick still ran)."""
         with self._lock:
-            session = self._sessions.pop(session_id, None)
-            if session is None:
+            session = self._sessions.get(session_id)
+            if session is None or (expected is not None and session is not expected):
                 return False
+            del self._sessions[session_id]
             meter.sessions.add(-1)
             session.released = True
             then(session)

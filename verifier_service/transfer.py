@@ -52,7 +52,7 @@ class KVTransfer:
         if offload.cached_length(blob) != len(token_ids) - 1:
             raise InvalidArgument(f"KV blob caches {offload.cached_length(blob)} positions; {len(token_ids)} committed "
                                   f"tokens need {len(token_ids) - 1} (all but the pending one)")
-        layers = offload.layers_from_bytes(blob, self._num_layers)
+        layers = offload.layers_from_bytes(blob, self._num_layers, self._kv_shape)
         if medusa and self.medusa is None:
             raise FailedPrecondition("this verifier has no Medusa heads (start it with --medusa PATH)")
         session = self._sessions.admit(session_id, token_ids, sampling, 0)  # its lock held
@@ -62,7 +62,7 @@ class KVTransfer:
                 span.set_attribute("specsplit.committed_length", len(token_ids))
                 self._scheduler.submit(ImportWork(session, 0, session=session, layers=layers)).result()
         except BaseException:
-            self.release(session_id)
+            self.release(session_id, expected=session)
             raise
         finally:
             session.lock.release()
@@ -81,6 +81,7 @@ class KVTransfer:
                     self._store.write_session(session.slot, work.layers, self.dtype, self.device)
                 except RuntimeError as err:  # heads or head size differ: a blob of another model
                     raise InvalidArgument(f"KV blob does not fit this model: {err}") from None
+                session.exact_kv = all(t.dtype == self.dtype for pair in work.layers if pair is not None for t in pair)
                 session.answered_at = time.perf_counter()
                 result = session.committed_length
         except BaseException as err:

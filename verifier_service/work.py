@@ -32,6 +32,9 @@ class TargetSession:
     slot: int = -1  # its KV slot, taken on the model thread by the first Prefill tick
     released: bool = False
     answered_at: float = 0.0  # perf_counter when its last request was answered
+    # Its cache is what this verifier computes: False once imported from a blob of another precision (an offload in
+    # float16): then its K/V are never kept for other prompts to copy (their tokens could change).
+    exact_kv: bool = True
     # Its time from an answer to its next Verify (network both ways, orchestrator, draft): a tick does not wait
     # for a session that will not be back within batch_wait_ms. The lower of the last one and a moving average
     # (one slow round -- a pause, say -- neither sticks nor counts alone). Measured from its second Verify on

@@ -149,3 +149,60 @@ def test_seeded_sampled_session_continues_identically_after_import(target):
     assert decode(c, "s", 12) == a.session("s").token_ids[len(tokens):]
     for engine in (a, b, c):
         engine.close()
+
+
+LONG = [258] + [(7 * i) % 200 + 3 for i in range(30)]  # [31] longer than the prefix cache's MIN_REUSE
+
+
+@pytest.mark.parametrize("dtype", ["", "float16"])
+def test_only_an_exact_import_is_kept_for_later_prompts(target, dtype):
+    """An imported cache is kept on Release for later prompts that share its start only if it is what this verifier
+    computes: a float16 blob's rounded K/V, copied into other sessions, could change their tokens."""
+    source, engine = TargetEngine(target), TargetEngine(target)
+    source.prefill("s", LONG)
+    engine.import_session("s", LONG, source.export_session("s", len(LONG), dtype=dtype))
+    assert engine.session("s").exact_kv == (dtype == "")
+    engine.release("s")
+    other = LONG[:24] + [5, 6, 7]
+    copied = engine.prefill("t", other).copied_tokens
+    assert copied == (24 if dtype == "" else 0)
+    length = engine.session("t").committed_length
+    assert engine.verify("t", TokenTree.empty(), length).verdict.committed_token_ids == tuple(hf_greedy(target.model, other, 1))
+
+
+def test_a_blob_of_another_model_is_refused_even_by_an_empty_verifier(target):
+    """A blob whose heads or head size differ is refused before it is written (on an empty verifier it would have
+    set the K/V store's shape, and every later forward would have failed)."""
+    engine = TargetEngine(target)
+    kv_heads, head_dim = engine._kv_shape
+    wrong = [(torch.zeros(kv_heads + 1, len(PROMPT) - 1, head_dim),) * 2 for _ in range(engine._num_layers)]
+    with pytest.raises(InvalidArgument, match="another model"):
+        engine.import_session("s", PROMPT, offload.layers_to_bytes(wrong))
+    assert "s" not in engine._sessions
+    engine.prefill("s", PROMPT)  # the verifier is untouched
+    assert decode(engine, "s", 6) == hf_greedy(target.model, PROMPT, 6)
+
+
+def test_a_failed_prefix_copy_fails_that_prefill_only(target):
+    """Copying a shared start can fail (the K/V store growing past the device's memory): that Prefill is answered
+    with the error, its slot and admitted prompt tokens are given back, and the verifier goes on."""
+    engine = TargetEngine(target)
+    engine.prefill("a", LONG)
+    share, calls = engine._prefixes.share, []
+
+    def failing_share(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory")
+        return share(*args, **kwargs)
+
+    engine._prefixes.share = failing_share
+    free = engine._store.num_free
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.prefill("b", LONG[:20] + [9, 9])
+    assert "b" not in engine._sessions and engine._sessions._queued_prefill_tokens == 0
+    engine.prefill("b", LONG[:20] + [9, 9])  # the same id again, now that the copy works
+    assert engine._store.num_free == free - 1
+    length = engine.session("b").committed_length
+    assert list(engine.verify("b", TokenTree.empty(), length).verdict.committed_token_ids) == \
+        hf_greedy(target.model, LONG[:20] + [9, 9], 1)

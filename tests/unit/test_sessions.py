@@ -35,3 +35,16 @@ def test_admission_refuses_a_taken_id_a_full_table_and_too_many_queued_prompt_to
     table.admit("b", [1] * 5, SamplingParams(), 4)
     with pytest.raises(ResourceExhausted, match="max_sessions=2"):
         table.admit("c", [1], SamplingParams(), 0)
+
+
+def test_a_release_for_a_given_session_leaves_a_newer_one_that_took_its_id():
+    """A failed Prefill cleans up its own session only: meanwhile a Release and a resumed session's Prefill may
+    have given the id to another."""
+    table = SessionTable(max_sessions=4, max_queued_prefill_tokens=100)
+    old = table.admit("s", [1, 2, 3], SamplingParams(), 2)
+    released = []
+    assert table.release("s", released.append)  # the orchestrator's Release before it prefills again
+    new = table.admit("s", [1, 2, 3, 4], SamplingParams(), 3)
+    assert not table.release("s", released.append, expected=old)  # the old Prefill's failure
+    assert table.get("s") is new and not new.released and released == [old]
+    assert table.release("s", released.append, expected=new) and released == [old, new]
