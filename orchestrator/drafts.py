@@ -248,8 +248,11 @@ class DraftMixin:
 
         def add(step) -> list[int]:
             nonlocal seeded, steps, step_ms
-            live = [tree.add(p, t, q) for p, t, q in zip(step.parents, step.token_ids, step.draft_probs)]
-            seeded += step.seeded
+            # Never past the round's node budget (the verifier's, --tree-max-nodes, the request's end): a draft's
+            # first step brings all of last round's kept tokens, which may be more.
+            nodes = list(zip(step.parents, step.token_ids, step.draft_probs))[:max(max_nodes - len(tree), 0)]
+            live = [tree.add(p, t, q) for p, t, q in nodes]
+            seeded += min(step.seeded, len(live))
             if live and not step.seeded and step.first > 0:  # a tree forward (the root's children
                 steps += 1                                   # come from the catch-up forward)
                 step_ms += step.draft_ms
@@ -341,7 +344,8 @@ class DraftMixin:
             return []
         if session.lookup is None:
             session.lookup = SpanLookup()
-        return session.lookup.span(session.token_ids)[: min(self.config.tree_max_nodes, max(remaining - 1, 0))]
+        budget = min(self._max_nodes(session.draft), self.config.tree_max_nodes, max(remaining - 1, 0))
+        return session.lookup.span(session.token_ids)[:budget]
 
     def _draft_replica_after(self, draft):
         """The next draft service of the same kind (a replica; any kind if this one's is unknown), in order."""

@@ -10,7 +10,7 @@ import pytest
 
 from draft_service.proposers import ModelProposer
 from specsplit.client import Client
-from specsplit.config import DraftConfig, OrchestratorConfig
+from specsplit.config import DraftConfig, OrchestratorConfig, VerifierConfig
 from specsplit.launch import start_stack
 from tiny import delay_relay, hf_greedy, span_exporter, tiny_loaded
 
@@ -106,6 +106,23 @@ def test_a_request_s_last_tokens_join_the_last_tree(target, provisional):
             assert tokens == hf_greedy(target.model, PROMPTS[0], max_new_tokens)
             committed = [s.num_committed for s in stats]
             assert committed[-1] >= 3 and all(s.num_draft_tokens for s in stats), (max_new_tokens, committed)
+
+
+@pytest.mark.parametrize("trigger", ["fixed", "goodput"])
+def test_no_tree_exceeds_the_verifier_s_node_budget(target, trigger):
+    """Copied prompt-lookup spans (up to 16 tokens) and last round's kept provisional tokens (a seed as long as the
+    draft went) are cut to the round's node budget like grown trees: with a verifier that takes 6 nodes, a draft
+    that copies spans, on a prompt that repeats itself, every tree has at most 6 nodes and the output equals HF
+    greedy (before, a 16-token span was sent as it was and the verifier refused it: the generation failed)."""
+    same = tiny_loaded(seed=0, layers=2)
+    proposer = ModelProposer(same, DraftConfig(), name="half+ngram", copies=True)
+    config = OrchestratorConfig(trigger=trigger, fixed_tree_nodes=12, provisional_max=16, share_estimates=False)
+    prompt = list(range(30, 50)) * 3
+    with start_stack(target, [proposer], verifier_config=VerifierConfig(max_tree_nodes=6),
+                     orchestrator_config=config) as stack:
+        tokens, stats = run(stack, prompt, 40)
+        assert tokens == hf_greedy(target.model, prompt, 40)
+        assert stats and max(s.num_draft_tokens for s in stats) == 6
 
 
 def generate_200_ms_away(target, config: OrchestratorConfig, runs: int = 1) -> list:
