@@ -120,7 +120,7 @@ class Orchestrator(DraftMixin):
                 session.prefill = self.placement.start_prefill(session)  # the first round sends its tree early
             if session.prefill is None:
                 self.placement.prefill(session)
-                self._commit(session)  # the store now names the replica holding the cache
+                self._commit_started(session)  # the store now names the replica holding the cache
         except BaseException:
             self._abandon(session)
             raise
@@ -145,7 +145,15 @@ class Orchestrator(DraftMixin):
             self._abandon(session)
             session.lost = True  # nothing left for _settle to do
             raise
-        self._commit(session)  # the store now names the replica holding the cache
+        self._commit_started(session)  # the store now names the replica holding the cache
+
+    def _commit_started(self, session: LiveSession) -> None:
+        """A new session's first write, once its prompt is cached; a Cancel that came during the prefill (it bumped
+        the stored round) cancels it: the stream ends with finish_reason "cancelled", not with an error."""
+        try:
+            self._commit(session)
+        except _CancelledElsewhere:
+            session.cancel.set()
 
     def _resume(self, request: GenerationRequest) -> LiveSession:
         session_id, client_has = request.resume_session_id, request.resume_from_token

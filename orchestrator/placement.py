@@ -249,7 +249,7 @@ class KvPlacement:
                 if code in DOWN:
                     self.replicas.mark_down(replica, f"{code.name} during Verify")
                     span.add_event("specsplit.failover", {"specsplit.replica": replica.address, "grpc.status": code.name})
-                    session.replica = None
+                    self.forget(session)  # (no longer counted on the replica that failed)
                     self.restore(session)
                 elif code in OUT_OF_STEP:
                     span.add_event("specsplit.rebuild", {"specsplit.replica": replica.address, "grpc.status": code.name})

@@ -168,6 +168,9 @@ def test_sessions_move_when_a_replica_dies(target):
         moved = orchestrator.placement.planner.counts["prefill"] - len(prompts)
         assert moved >= 2  # sessions were spread over both replicas, and those on the dead one moved
         assert wait_for(lambda: stack.verifiers[1].core.num_sessions() == 0)  # (Release calls run in the background)
+        # and the orchestrator counts none on either (those that moved left the dead one's count: else, once back,
+        # it would be passed over for as many new sessions)
+        assert [r.sessions for r in orchestrator.replicas.replicas] == [0, 0]
     for i, prompt in enumerate(prompts):
         assert results[i] == hf_greedy(target.model, prompt, 80)
 
@@ -222,3 +225,27 @@ def test_a_dead_draft_replica_is_replaced_by_its_twin(target):
         assert tokens_of(chunks) == hf_greedy(target.model, PROMPT * 3, 60)
         assert any(c.stats.num_draft_tokens for c in chunks if c.stats)  # the twin drafted
         assert wait_for(lambda: stack.drafts[1].core.num_sessions() == 0)
+
+
+def test_a_cancel_during_the_prefill_ends_the_stream_as_cancelled(target, monkeypatch):
+    """A Cancel that arrives while a new session's prompt is being cached ends its stream with finish_reason
+    "cancelled" (before, the session's first write failed on the round the Cancel had taken: UNKNOWN), and the
+    verifier keeps nothing of it."""
+    import time
+
+    with start_stack(target, [NgramProposer(DraftConfig())]) as stack:
+        engine = stack.verifier_engine
+        prefill = engine.prefill
+
+        def slow_prefill(*args, **kwargs):  # a long prompt's prefill, in time for the Cancel to come first
+            time.sleep(0.6)
+            return prefill(*args, **kwargs)
+
+        monkeypatch.setattr(engine, "prefill", slow_prefill)
+        with Client(stack.address) as client:
+            timer = threading.Timer(0.2, lambda: client.cancel("during-prefill"))
+            timer.start()
+            chunks = list(client.generate(prompt_token_ids=PROMPT, max_new_tokens=8, session_id="during-prefill"))
+            timer.join()
+        assert chunks[-1].finish_reason == "cancelled" and tokens_of(chunks) == []
+        assert wait_for(lambda: stack.verifier_sessions() == 0)
