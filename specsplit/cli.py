@@ -137,8 +137,13 @@ def generate(args) -> int:
             proposers = default_proposers(args.draft, args.draft_model, args.device, args.dtype,
                                           _draft_config(args, args.draft), artifact=args.draft_artifact, target=target,
                                           target_model=args.target_model, draft_dtype=args.draft_dtype)
-        stack = start_stack(target, proposers, medusa=medusa, orchestrator_config=_tree_config(args),
-                            processes=processes)
+        try:
+            stack = start_stack(target, proposers, medusa=medusa, orchestrator_config=_tree_config(args),
+                                processes=processes)
+        except BaseException:
+            for process in processes:
+                process.close()
+            raise
         address = stack.address
     token_ids: list[int] = []
     prompt_ids: list[int] = []
@@ -200,6 +205,10 @@ def generate(args) -> int:
         print(f"\n\n{len(token_ids)} tokens in {elapsed:.2f} s: {result['tokens_per_second']:.1f} tokens/s, "
               f"{rounds} rounds, {result['mean_accepted_tokens']:.2f} accepted draft tokens per round "
               f"(tau {result['tau']:.2f} tokens per round), finish: {finish}", file=sys.stderr)
+    if finish == "error":  # a resumed session that had failed on its orchestrator: the tokens above are all it made
+        print("specsplit: error: the generation failed on the orchestrator (finish_reason error; its log says why)",
+              file=sys.stderr)
+        return 1
     return 0
 
 
@@ -249,9 +258,18 @@ def serve(args) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    if os.environ.get(launch.PARENT_PID_ENV):  # a child service of `specsplit generate`: it ends with its parent
+        parent = int(os.environ[launch.PARENT_PID_ENV])
+        threading.Thread(target=_stop_when_orphaned, args=(parent, stop), daemon=True, name="parent-watch").start()
     stop.wait()
     server.stop(grace=args.drain_s)
     return 0
+
+
+def _stop_when_orphaned(parent_pid: int, stop: threading.Event) -> None:
+    while not stop.wait(0.5):
+        if os.getppid() != parent_pid:  # the parent is gone: this process was handed to another
+            stop.set()
 
 
 def _addresses(text: str) -> list[str]:

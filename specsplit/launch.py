@@ -110,6 +110,11 @@ def start_orchestrator(verifier_addresses: str | list[str], draft_addresses: lis
     return server
 
 
+# Set for a child service (``DraftProcess``): it stops once its parent is gone (a `specsplit generate` killed, or that
+# died before it could close its stack), instead of living on with its model loaded.
+PARENT_PID_ENV = "SPECSPLIT_PARENT_PID"
+
+
 class DraftProcess:
     """A draft service in a child process (``specsplit serve draft ARGS``) on a loopback port.
 
@@ -124,7 +129,8 @@ class DraftProcess:
         from specsplit.tls import ENV as TLS_ENV
 
         # Plaintext on loopback, as the stack's other servers (a deployment's SPECSPLIT_TLS_* are not for it).
-        env = {k: v for k, v in os.environ.items() if k not in TLS_ENV.values()} | {"HF_HUB_OFFLINE": "1"}
+        env = {k: v for k, v in os.environ.items() if k not in TLS_ENV.values()} | {
+            "HF_HUB_OFFLINE": "1", PARENT_PID_ENV: str(os.getpid())}
         self.proc = subprocess.Popen([sys.executable, "-m", "specsplit.cli", "serve", "draft", "--listen",
                                       "127.0.0.1:0", *args], stderr=subprocess.PIPE, text=True, env=env)
         self._log: collections.deque[str] = collections.deque(maxlen=40)  # its last stderr lines, for errors

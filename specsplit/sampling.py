@@ -50,7 +50,8 @@ def session_generator(sampling: SamplingParams, stream: int = 0) -> torch.Genera
     if sampling.greedy:
         return None
     generator = torch.Generator()
-    generator.manual_seed(sampling.seed + stream) if sampling.seed is not None else generator.seed()
+    # (mod 2^64: a request's seed may be 2^64 - 1, the largest torch takes)
+    generator.manual_seed((sampling.seed + stream) % (1 << 64)) if sampling.seed is not None else generator.seed()
     return generator
 
 

@@ -34,10 +34,18 @@ SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
 def grpc_errors(method):
-    """Map SpecSplitError to its gRPC status (the one place this happens); works on unary and stream methods."""
+    """Map SpecSplitError to its gRPC status (the one place this happens); works on unary and stream methods. A
+    downstream call's error that nothing handled (a verifier's or a draft's) keeps its status, named as downstream,
+    instead of becoming UNKNOWN (which a resuming client takes for a broken connection)."""
 
-    def abort(context, err: SpecSplitError):
-        context.abort(getattr(grpc.StatusCode, err.code_name), str(err))
+    def abort(context, err: Exception):
+        if isinstance(err, SpecSplitError):
+            context.abort(getattr(grpc.StatusCode, err.code_name), str(err))
+        code = err.code() if callable(getattr(err, "code", None)) else None
+        if not isinstance(code, grpc.StatusCode):
+            raise err
+        details = err.details() if callable(getattr(err, "details", None)) else str(err)
+        context.abort(code, f"a downstream call failed: {code.name}: {details}")
 
     if inspect.isgeneratorfunction(method):
 
@@ -45,7 +53,7 @@ def grpc_errors(method):
         def stream(self, request, context):
             try:
                 yield from method(self, request, context)
-            except SpecSplitError as err:
+            except (SpecSplitError, grpc.RpcError) as err:
                 abort(context, err)
 
         return stream
@@ -54,7 +62,7 @@ def grpc_errors(method):
     def unary(self, request, context):
         try:
             return method(self, request, context)
-        except SpecSplitError as err:
+        except (SpecSplitError, grpc.RpcError) as err:
             abort(context, err)
 
     return unary

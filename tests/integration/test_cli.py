@@ -231,3 +231,32 @@ def test_eagle_and_medusa_services_as_separate_processes(model_dir, tmp_path):
             proc.terminate()
         for proc in procs:
             assert proc.wait(timeout=20) == 0
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # (an exited child its new parent has not reaped)
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_a_draft_process_ends_with_the_process_that_started_it():
+    """`specsplit generate` runs a model draft as a child service; killed (SIGKILL: no cleanup runs), it leaves no
+    draft process behind with its model loaded: the child notices its parent is gone and stops."""
+    import time
+
+    script = ("import time; from specsplit.launch import DraftProcess; "
+              "p = DraftProcess(['--draft', 'ngram']); print(p.proc.pid, flush=True); time.sleep(120)")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert _running(child)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 30
+    while _running(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(child)

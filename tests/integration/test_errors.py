@@ -156,3 +156,17 @@ def test_a_port_in_use_is_refused(stack):
 
     with pytest.raises(Unavailable, match="could not listen on"):
         Server(stack.address, [])
+
+
+def test_a_verifier_error_mid_generation_keeps_its_status(stack, monkeypatch):
+    """An error of the verifier's that the orchestrator does not handle (here RESOURCE_EXHAUSTED from Verify) reaches
+    the client with its own status, named as downstream, not as UNKNOWN (which a resuming client takes for a broken
+    connection)."""
+    from specsplit.errors import ResourceExhausted
+
+    def busy(*args, **kwargs):
+        raise ResourceExhausted("the verifier is busy")
+
+    monkeypatch.setattr(stack.verifier_engine, "verify", busy)
+    code, details = code_of(lambda: generate(stack, prompt_token_ids=PROMPT, max_new_tokens=8))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "downstream" in details and "busy" in details, details

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specsplit.accept import accept_greedy
-from specsplit.sampling import SamplingParams, accept_sampled, distribution
+from specsplit.sampling import SamplingParams, accept_sampled, distribution, session_generator
 from specsplit.tree import SparseDist, TokenTree
 
 V = 5
@@ -175,3 +175,10 @@ def test_q_used_is_the_q_sampled_from():
     honest = tv(run_pairs(P, truncated, 6000, seed=5), exact)
     wrong = tv(run_pairs(P, mislabelled, 6000, seed=5), exact)
     assert honest < 0.05 and wrong > 2 * honest
+
+
+def test_the_largest_seed_a_request_may_carry_seeds_every_stream():
+    """--seed takes 0 .. 2^64 - 1; the draft's stream (seed + 1) wraps instead of overflowing torch's seed."""
+    top = SamplingParams(temperature=0.7, seed=(1 << 64) - 1)
+    target, draft = session_generator(top, stream=0), session_generator(top, stream=1)
+    assert draft.initial_seed() == 0 and target.initial_seed() == (1 << 64) - 1
