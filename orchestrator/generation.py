@@ -28,7 +28,7 @@ from orchestrator.requests import GenerationRequest, check_request, tokenize_pro
 from orchestrator.session import LiveSession, burst_sizer, controller_from_state, text_stream_at
 from specsplit import metrics as meter
 from specsplit.config import OrchestratorConfig
-from specsplit.errors import FailedPrecondition, NotFound, SpecSplitError, StaleRound, Unavailable
+from specsplit.errors import FailedPrecondition, NotFound, ResourceExhausted, SpecSplitError, StaleRound, Unavailable
 from specsplit.rpc import DraftInfo, RpcError, VerifierInfo
 from specsplit.store import CANCELLED, DETACHED, FINISHED, RUNNING, TERMINAL, InMemoryStore, SessionState, update
 from specsplit.stream import Chunk, RoundStats
@@ -61,6 +61,9 @@ class Orchestrator(DraftMixin):
         # from its estimates instead of from scratch. Estimates only: no token depends on them (streamed
         # trees are greedy: the tokens are the target's whatever the trigger does).
         self._learned: dict[object, object] = {}
+        # Generations running now, at most max_streams: each holds one of the server's threads, and a call past them
+        # would wait for a thread with no word (a Cancel or a health check queued behind it).
+        self._streams = threading.BoundedSemaphore(self.config.max_streams)
 
     def close(self, wait_s: float = 5.0) -> None:
         deadline = time.monotonic() + wait_s
@@ -245,7 +248,17 @@ class Orchestrator(DraftMixin):
 
     # -- the loop ------------------------------------------------------------------------------------
     def generate(self, request: GenerationRequest, cancelled: threading.Event | None = None) -> Iterator[Chunk]:
-        """cancelled: set when the client's stream is gone."""
+        """cancelled: set when the client's stream is gone. Past ``max_streams`` generations at once: refused at once
+        (RESOURCE_EXHAUSTED: the client may retry later or on another orchestrator)."""
+        if not self._streams.acquire(blocking=False):
+            raise ResourceExhausted(f"this orchestrator runs {self.config.max_streams} generations already "
+                                    "(max_streams); retry later or on another orchestrator")
+        try:
+            yield from self._generate(request, cancelled)
+        finally:
+            self._streams.release()
+
+    def _generate(self, request: GenerationRequest, cancelled: threading.Event | None) -> Iterator[Chunk]:
         cancelled = cancelled or threading.Event()
         info = self.verifier_info
         with tracer.start_as_current_span(f"specsplit.orchestrator.generate {info.model}") as span:

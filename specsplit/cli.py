@@ -18,7 +18,8 @@ def _tree_config(args):
 
     return OrchestratorConfig(trigger=args.trigger, fixed_tree_nodes=args.fixed_tree_nodes,
                               tree_max_nodes=args.tree_max_nodes, provisional_max=args.provisional_max,
-                              burst_max=args.burst_max)
+                              burst_max=args.burst_max,
+                              max_streams=getattr(args, "max_streams", OrchestratorConfig.max_streams))
 
 
 def _draft_config(args, drafter: str):

@@ -184,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     orch.add_argument("--store-retry-s", type=_at_least(0, float), default=_env("SPECSPLIT_STORE_RETRY_S", "5"),
                       help="how long a session-store call retries while Redis is unreachable before the stream "
                            "fails with UNAVAILABLE (default 5)")
+    orch.add_argument("--max-streams", type=_at_least(1), default=_env("SPECSPLIT_MAX_STREAMS", "256"),
+                      help="generations this orchestrator runs at once; past them a new one is refused at once with "
+                           "RESOURCE_EXHAUSTED, to retry later or elsewhere (env SPECSPLIT_MAX_STREAMS; default 256)")
     _tree_flags(orch)
     _tls_flags(orch, serves=True, calls=True)
     return parser

@@ -170,3 +170,40 @@ def test_a_verifier_error_mid_generation_keeps_its_status(stack, monkeypatch):
     monkeypatch.setattr(stack.verifier_engine, "verify", busy)
     code, details = code_of(lambda: generate(stack, prompt_token_ids=PROMPT, max_new_tokens=8))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "downstream" in details and "busy" in details, details
+
+
+def test_generations_past_max_streams_are_refused_at_once(target, monkeypatch):
+    """An orchestrator runs at most max_streams generations; one more is RESOURCE_EXHAUSTED at once (before, it waited
+    for a server thread with no word), and once one ends a new one runs."""
+    import time
+
+    from specsplit.config import OrchestratorConfig
+
+    with start_stack(target, [], orchestrator_config=OrchestratorConfig(max_streams=2)) as stack:
+        verify = stack.verifier_engine.verify
+
+        def slow_verify(*args, **kwargs):  # so that the two generations are still running when the third comes
+            time.sleep(0.05)
+            return verify(*args, **kwargs)
+
+        monkeypatch.setattr(stack.verifier_engine, "verify", slow_verify)
+        with Client(stack.address) as client:
+            running = [client.generate(prompt_token_ids=PROMPT, max_new_tokens=200) for _ in range(2)]
+            readers = [iter(stream) for stream in running]
+            for reader in readers:
+                next(reader)  # both have started
+            start = time.monotonic()
+            code, details = code_of(lambda: generate(stack, prompt_token_ids=PROMPT, max_new_tokens=4))
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_streams" in details, details
+            assert time.monotonic() - start < 5
+            running[0].cancel()
+            chunks = []
+            for _ in range(100):  # the cancelled one lets go of its place as its round ends
+                try:
+                    chunks = generate(stack, prompt_token_ids=PROMPT, max_new_tokens=4)
+                    break
+                except grpc.RpcError as err:
+                    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    time.sleep(0.05)
+            assert [t for c in chunks for t in c.token_ids] == hf_greedy(target.model, PROMPT, 4)
+            running[1].cancel()
