@@ -28,7 +28,8 @@ from orchestrator.requests import GenerationRequest, check_request, tokenize_pro
 from orchestrator.session import LiveSession, burst_sizer, controller_from_state, text_stream_at
 from specsplit import metrics as meter
 from specsplit.config import OrchestratorConfig
-from specsplit.errors import FailedPrecondition, NotFound, ResourceExhausted, SpecSplitError, StaleRound, Unavailable
+from specsplit.errors import (DataLoss, FailedPrecondition, NotFound, ResourceExhausted, SpecSplitError, StaleRound,
+                              Unavailable)
 from specsplit.rpc import DraftInfo, RpcError, VerifierInfo
 from specsplit.store import CANCELLED, DETACHED, FINISHED, RUNNING, TERMINAL, InMemoryStore, SessionState, update
 from specsplit.stream import Chunk, RoundStats
@@ -173,6 +174,13 @@ class Orchestrator(DraftMixin):
         if not owned:
             return session  # finished or cancelled: only what the client is missing is sent
         session.skip = max(0, client_has - state.generated)  # the store lost rounds the client had seen
+        if session.skip and not state.sampling.greedy and state.sampling.seed is None:
+            # Greedy and seeded rounds come out the same again; an unseeded sampled session's trees follow measured
+            # timings, so its draws would differ, and what follows the client's tokens would be drawn after others.
+            raise DataLoss(f"session {session_id!r}: the session store lost the last {session.skip} tokens this "
+                           "client received (a store restarted without its last writes), and a sampled session "
+                           "without a seed cannot draw them again exactly; start a new generation (with a seed, a "
+                           "resume draws them again exactly)")
         state.status, state.owner, state.resumable = RUNNING, self.instance, True
         try:
             self._commit(session)  # the claim: a concurrent resume of the same session loses here

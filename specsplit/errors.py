@@ -28,6 +28,10 @@ class Unavailable(SpecSplitError):
     code_name = "UNAVAILABLE"
 
 
+class DataLoss(SpecSplitError):
+    code_name = "DATA_LOSS"
+
+
 class StaleRound(FailedPrecondition):
     """A session-store write lost a compare-and-set on the session's round: someone wrote newer state.
 

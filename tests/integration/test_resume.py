@@ -85,6 +85,31 @@ def test_client_ahead_of_the_store_gets_only_new_tokens(target):
         assert have + tokens_of(rest) == hf_greedy(target.model, PROMPT, LONG)
 
 
+@pytest.mark.parametrize("seed", [None, 7])
+def test_a_sampled_session_the_store_lost_tokens_of(target, seed):
+    """Sampled, the regenerated tokens are the client's only with a seed (each round's draws and trees follow from
+    it): then the resume continues exactly as the uninterrupted run; without one it fails with DATA_LOSS instead of
+    sending tokens drawn after a different prefix."""
+    sampling = dict(temperature=0.8, seed=seed, prompt_token_ids=PROMPT, max_new_tokens=LONG)
+    with start_stack(target, [NgramProposer(DraftConfig())]) as stack:
+        client = Client(stack.address)
+        whole = tokens_of(client.generate(**sampling)) if seed is not None else None
+        session_id, got = read_then_drop(client, 6, **sampling)
+        store = stack.orchestrator.core.store
+        assert wait_for(lambda: store.load(session_id).status == DETACHED)
+        have = tokens_of(got)
+        state = store.load(session_id)
+        state.committed_token_ids, state.generated = state.committed_token_ids[:3], 3  # rolled back
+        state.round += 1
+        store.commit(state)
+        if seed is None:
+            with pytest.raises(grpc.RpcError) as info:
+                resume(client, session_id, len(have))
+            assert info.value.code() == grpc.StatusCode.DATA_LOSS and "seed" in info.value.details()
+        else:
+            assert have + tokens_of(resume(client, session_id, len(have))) == whole
+
+
 def test_sdk_resume_reconnects_to_the_other_orchestrator(target):
     """Two orchestrators sharing one store; the first one stops mid-stream; the SDK resumes on the second."""
     from specsplit.launch import start_orchestrator
