@@ -250,8 +250,18 @@ class Orchestrator(DraftMixin):
             fresh = self.store.load(session.id)
             if fresh is not None and fresh.status == CANCELLED:
                 raise _CancelledElsewhere() from None
-            session.lost = True
-            raise
+            if fresh is not None and fresh.owner == state.owner == self.instance and fresh.round == state.round - 2:
+                # This process's previous write failed unapplied (the store was unreachable: a round's commit that
+                # ended the stream with UNAVAILABLE), and nobody wrote since: this write takes that round.
+                state.round -= 1
+                try:
+                    self.store.commit(state)
+                except StaleRound:
+                    session.lost = True
+                    raise
+            else:
+                session.lost = True
+                raise
         session.committed_final = state.status in TERMINAL or state.status == DETACHED
 
     # -- the loop ------------------------------------------------------------------------------------

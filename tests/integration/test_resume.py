@@ -8,6 +8,7 @@ import pytest
 from draft_service.ngram import NgramProposer
 from specsplit.client import Client
 from specsplit.config import DraftConfig, OrchestratorConfig, VerifierConfig
+from specsplit.errors import Unavailable
 from specsplit.launch import start_stack
 from specsplit.store import DETACHED, FINISHED, InMemoryStore
 from specsplit.v1 import orchestrator_pb2
@@ -108,6 +109,42 @@ def test_a_sampled_session_the_store_lost_tokens_of(target, seed):
             assert info.value.code() == grpc.StatusCode.DATA_LOSS and "seed" in info.value.details()
         else:
             assert have + tokens_of(resume(client, session_id, len(have))) == whole
+
+
+class StoreThatFailsOnce(InMemoryStore):
+    """The in-process store, one of whose writes fails unapplied (UNAVAILABLE: unreachable) once ``fail`` is set."""
+
+    fail = False
+
+    def commit(self, state):
+        if self.fail:
+            self.fail = False
+            raise Unavailable("the session store is unreachable")
+        super().commit(state)
+
+
+def test_a_round_the_store_could_not_write_is_written_when_the_session_detaches(target):
+    """A round's write fails (the store unreachable past --store-retry-s): the stream ends with UNAVAILABLE, and the
+    session's detach write, one round later, takes the failed write's round (before, it lost to it as stale: the
+    store kept the session RUNNING with what the round before had, and its resume re-prefilled)."""
+    store = StoreThatFailsOnce()
+    with start_stack(target, [NgramProposer(DraftConfig())], store=store) as stack:
+        client = Client(stack.address)
+        request = orchestrator_pb2.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=LONG, session_id="flaky",
+                                                   resumable=True)
+        from specsplit.rpc import chunk_from_pb
+
+        got = []
+        with pytest.raises(grpc.RpcError) as info:
+            for message in client._stub(0).Generate(request, timeout=60):
+                got.append(chunk_from_pb(message))
+                if len(got) == 3:
+                    store.fail = True
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert wait_for(lambda: store.load("flaky").status == DETACHED)
+        have = tokens_of(got)
+        assert store.load("flaky").generated > len(have)  # the failed round's tokens, kept though never sent
+        assert have + tokens_of(resume(client, "flaky", len(have))) == hf_greedy(target.model, PROMPT, LONG)
 
 
 def test_sdk_resume_reconnects_to_the_other_orchestrator(target):
