@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 import queue
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -126,8 +127,7 @@ class DraftMixin:
         if state.draft_down_until:
             if state.round < state.draft_down_until:
                 return TokenTree.empty(), None
-            session.draft = self._draft_replica_after(session.draft)
-            self._start_draft(session)  # the draft service may have restarted: start over from all tokens
+            self._restart_draft(session)
             if state.draft_down_until:
                 return TokenTree.empty(), None
         if budget <= 0:
@@ -168,8 +168,7 @@ class DraftMixin:
         ahead, session.ahead = (session.ahead if self.config.pipeline and self.config.provisional_max else []), []
         fresh = not ahead  # no kept provisional tokens: the verifier waits for this tree's every node
         if session.state.draft_down_until:  # the draft failed earlier and its pause is over: start it again
-            session.draft = self._draft_replica_after(session.draft)
-            self._start_draft(session)
+            self._restart_draft(session)
         # A draft that copies spans (half+ngram): a span prompt lookup finds is verified as it is, with no draft call
         # (a code edit's unchanged lines), while such spans are mostly right, or when it continues last round's
         # kept provisional tokens (the draft's own, which then vouch for it) further than they go.
@@ -362,12 +361,35 @@ class DraftMixin:
         trace.get_current_span().add_event("specsplit.draft_fallback", {"grpc.status": str(code)})
         session.state.draft_down_until = session.state.round + self.config.draft_retry_rounds
 
+    def _restart_draft(self, session: LiveSession) -> None:
+        """The draft failed earlier and its pause is over: start the session again (the service may have restarted:
+        from all tokens) on the next draft replica; one that failed and is left is told to end the session, in the
+        background (alive, it would hold the session's cache until its idle timeout)."""
+        failed = session.draft
+        session.draft = self._draft_replica_after(failed)
+        if session.draft is not failed:
+            self._end_in_background(failed, session.id)
+        self._start_draft(session)
+
     def _end_draft(self, session: LiveSession) -> None:
-        if session.draft is not None and not session.state.draft_down_until:
+        if session.draft is None:
+            return
+        if session.state.draft_down_until:  # it failed: it may not answer before the deadline, so no one waits
+            self._end_in_background(session.draft, session.id)
+            return
+        try:
+            session.draft.end(session.id, timeout=self.config.draft_timeout_s)
+        except RpcError:
+            pass
+
+    def _end_in_background(self, draft, session_id: str) -> None:
+        def end() -> None:
             try:
-                session.draft.end(session.id, timeout=self.config.draft_timeout_s)
-            except RpcError:
+                draft.end(session_id, timeout=self.config.draft_timeout_s)
+            except Exception:  # noqa: BLE001 - best effort (the draft may be gone, the channel closed meanwhile)
                 pass
+
+        threading.Thread(target=end, daemon=True, name="draft-end").start()
 
 
 def _draft_seeded(steps, token_ids) -> bool:

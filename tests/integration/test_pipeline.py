@@ -47,6 +47,7 @@ def test_slow_draft_falls_back_and_output_is_unchanged(target):
         chunks = list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=30))
         assert tokens_of(chunks) == hf_greedy(target.model, PROMPT, 30)
         assert time.perf_counter() - start < 0.5 * 30  # not every round waited for the slow draft
+        assert wait_for(lambda: stack.draft_sessions() == 0)  # and the slow draft was told the session ended
 
 
 def test_client_cancel_releases_sessions(target):
