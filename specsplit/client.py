@@ -70,6 +70,8 @@ class ResumableStream(GenerateStream):
         give_up_at = None
         delay = 0.05
         while True:
+            if self._cancelled:  # cancelled before the first call, or while reconnecting: nothing more comes
+                return
             self._call = self._client._stub(self._index).Generate(request, timeout=self._timeout)
             try:
                 for msg in self._call:
@@ -86,8 +88,12 @@ class ResumableStream(GenerateStream):
                 return
             except grpc.RpcError as err:
                 code = err.code()
-                never_stored = code == grpc.StatusCode.NOT_FOUND and not started and request is not self._request
-                if self._cancelled or (code not in RESUMABLE_CODES and not never_stored):
+                resuming = request is not self._request
+                never_stored = code == grpc.StatusCode.NOT_FOUND and not started and resuming
+                # A resume that lost the race to claim the session (its old orchestrator still committed a round,
+                # or another resume claimed it first) is told to resume again from the session's current state.
+                raced = code == grpc.StatusCode.FAILED_PRECONDITION and resuming
+                if self._cancelled or (code not in RESUMABLE_CODES and not never_stored and not raced):
                     raise
                 now = time.monotonic()
                 give_up_at = give_up_at or now + self._client.reconnect_s
@@ -95,19 +101,25 @@ class ResumableStream(GenerateStream):
                     raise
                 time.sleep(delay)
                 delay = min(2 * delay, 1.0)
-                self._index = (self._index + 1) % len(self._client.addresses)
+                if not never_stored and not raced:  # (that orchestrator answered: the same one starts it again)
+                    self._index = (self._index + 1) % len(self._client.addresses)
                 self.reconnects += 1
                 # Resume where we are; a session no orchestrator ever stored is started again, same id.
                 request = self._request if never_stored else orchestrator_pb2.GenerateRequest(
                     resume_session_id=self.session_id, resume_from_token=received)
 
     def cancel(self) -> None:
-        """Cancel the session itself (a resumable session outlives a dropped stream), then the stream."""
+        """Cancel the session itself (a resumable session outlives a dropped stream), then the stream. The Cancel goes
+        to the orchestrator in use, and to the others in turn if it cannot be reached (any of them can cancel a
+        session in the store they share)."""
         self._cancelled = True
-        try:
-            self._client.cancel(self.session_id, index=self._index)
-        except grpc.RpcError:
-            pass  # that orchestrator is gone; the session expires on its own
+        n = len(self._client.addresses)
+        for k in range(n):
+            try:
+                self._client.cancel(self.session_id, index=(self._index + k) % n)
+                break
+            except grpc.RpcError:
+                pass  # that orchestrator is gone (or its store is): try the next; else the session expires on its own
         if self._call is not None:
             self._call.cancel()
 
@@ -166,6 +178,11 @@ class Client:
 
 class AsyncClient:
     def __init__(self, address: str, timeout: float | None = 600.0, tls: TLS | None = None):
+        """address: host:port of one orchestrator (failover between several, ``resume=True``, is the sync
+        ``Client``'s)."""
+        if not isinstance(address, str):
+            raise ValueError("AsyncClient talks to one orchestrator (host:port); for failover between several use "
+                             "Client(addresses) with generate(..., resume=True)")
         self.address = address
         self.timeout = timeout
         self._channel = open_aio_channel(address, (tls or TLS()).for_calls())

@@ -131,6 +131,11 @@ class DraftProcess:
         # Plaintext on loopback, as the stack's other servers (a deployment's SPECSPLIT_TLS_* are not for it).
         env = {k: v for k, v in os.environ.items() if k not in TLS_ENV.values()} | {
             "HF_HUB_OFFLINE": "1", PARENT_PID_ENV: str(os.getpid())}
+        # Prometheus serves on one port per process, which this process holds already: the child exports none (an
+        # OTLP exporter it inherits; two on one port, it would fail to start).
+        metrics = [m.strip() for m in env.get("OTEL_METRICS_EXPORTER", "").split(",") if m.strip()]
+        if "prometheus" in metrics:
+            env["OTEL_METRICS_EXPORTER"] = ",".join(m for m in metrics if m != "prometheus") or "none"
         self.proc = subprocess.Popen([sys.executable, "-m", "specsplit.cli", "serve", "draft", "--listen",
                                       "127.0.0.1:0", *args], stderr=subprocess.PIPE, text=True, env=env)
         self._log: collections.deque[str] = collections.deque(maxlen=40)  # its last stderr lines, for errors

@@ -10,7 +10,7 @@ from specsplit.client import Client
 from specsplit.config import DraftConfig, OrchestratorConfig, VerifierConfig
 from specsplit.errors import Unavailable
 from specsplit.launch import start_stack
-from specsplit.store import DETACHED, FINISHED, InMemoryStore
+from specsplit.store import CANCELLED, DETACHED, FINISHED, InMemoryStore
 from specsplit.v1 import orchestrator_pb2
 from tiny import hf_greedy, wait_for
 
@@ -165,6 +165,87 @@ def test_sdk_resume_reconnects_to_the_other_orchestrator(target):
             assert stream.reconnects >= 1
             assert tokens_of(got) == hf_greedy(target.model, PROMPT, 50)
             assert sum(1 for c in got if c.prompt_token_ids) == 1  # one header, however many reconnects
+        finally:
+            second.stop(0)
+            second.core.close()
+
+
+class StoreWithARivalWriter(InMemoryStore):
+    """The in-process store; the first write by the orchestrator ``rival_for`` (its instance id) finds a round of
+    another writer's in first (as when a session's old orchestrator commits one more round meanwhile)."""
+
+    rival_for = ""
+
+    def commit(self, state):
+        if self.rival_for and state.owner == self.rival_for:
+            self.rival_for = ""
+            stored = self.load(state.session_id)
+            stored.round += 1
+            super().commit(stored)
+        super().commit(state)
+
+
+def test_a_resume_that_loses_the_race_to_claim_the_session_resumes_again(target):
+    """The orchestrator a resume reaches loses the claim to another writer (FAILED_PRECONDITION: resume it again):
+    the SDK resumes again instead of failing the generation."""
+    from specsplit.launch import start_orchestrator
+
+    store = StoreWithARivalWriter()
+    with start_stack(target, [], store=store) as stack:
+        second = start_orchestrator(stack.verifier.address, [], target.tokenizer, store=store)
+        try:
+            store.rival_for = second.core.instance
+            client = Client([stack.address, second.address], reconnect_s=10)
+            stream = client.generate(prompt_token_ids=PROMPT, max_new_tokens=LONG, resume=True)
+            got = []
+            for chunk in stream:
+                got.append(chunk)
+                if len(got) == 3:
+                    stack.orchestrator.stop(grace=0)  # the first orchestrator goes away mid-stream
+            assert not store.rival_for and stream.reconnects >= 2  # the claim lost once, then the resume again won
+            assert tokens_of(got) == hf_greedy(target.model, PROMPT, LONG)
+        finally:
+            second.stop(0)
+            second.core.close()
+
+
+def test_sdk_starts_on_the_second_orchestrator_when_the_first_is_down(target):
+    """The first address is down when the generation starts: the client asks the second to resume the session (none
+    stored: NOT_FOUND), then starts it there (before, it sent the start back to the first one, forever)."""
+    from redis_server import free_port
+
+    with start_stack(target, []) as stack:
+        down = f"127.0.0.1:{free_port()}"  # nothing listens there
+        client = Client([down, stack.address], reconnect_s=10)
+        stream = client.generate(prompt_token_ids=PROMPT, max_new_tokens=20, resume=True)
+        assert tokens_of(list(stream)) == hf_greedy(target.model, PROMPT, 20)
+        assert stream.reconnects == 2  # a resume on the second (NOT_FOUND), then the start there
+
+
+def test_a_resumable_stream_cancelled_before_it_is_read_never_starts(target):
+    with start_stack(target, []) as stack:
+        stream = Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=20, resume=True)
+        stream.cancel()
+        assert list(stream) == [] and stack.orchestrator.core.store.load(stream.session_id) is None
+
+
+def test_cancel_reaches_the_session_through_another_orchestrator(target):
+    """The orchestrator a resumable stream used is gone: cancel() goes to the next address, which shares the store."""
+    from specsplit.launch import start_orchestrator
+
+    store = InMemoryStore()
+    with start_stack(target, [], store=store) as stack:
+        second = start_orchestrator(stack.verifier.address, [], target.tokenizer, store=store)
+        try:
+            client = Client([stack.address, second.address], reconnect_s=10)
+            stream = client.generate(prompt_token_ids=PROMPT, max_new_tokens=200, resume=True)
+            reader = iter(stream)
+            next(reader)
+            stack.orchestrator.stop(grace=0)
+            stream.cancel()
+            assert wait_for(lambda: store.load(stream.session_id).status == CANCELLED)
+            with pytest.raises(grpc.RpcError):
+                list(reader)  # the stream ends (it does not resume on the second)
         finally:
             second.stop(0)
             second.core.close()

@@ -263,3 +263,21 @@ def test_prometheus_scrapes_the_orchestrator_and_the_verifier(model_dir):
     forwards = re.search(r"^specsplit_verifier_forward_duration_milliseconds_count\{?[^}]*\}? (\S+)$",
                          scraped["verifier"], re.M)
     assert forwards and float(forwards.group(1)) >= 1, scraped["verifier"]
+
+
+def test_generate_with_prometheus_metrics_starts_its_draft_process(model_dir):
+    """`specsplit generate` serves its Prometheus port itself; the model draft it starts in a child process exports no
+    Prometheus metrics (before, the child tried the same port and did not start: exit 2)."""
+    import json
+
+    from processes import cli
+    from redis_server import free_port
+    from tiny import hf_greedy
+
+    path, loaded = model_dir
+    out = cli("generate", "hello world", "--target-model", str(path), "--max-new-tokens", "8", "--json", "--draft",
+              "half", "--draft-threads", "1", OTEL_METRICS_EXPORTER="prometheus",
+              OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1", OTEL_EXPORTER_PROMETHEUS_PORT=str(free_port()))
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["token_ids"] == hf_greedy(loaded.model, result["prompt_token_ids"], 8)
