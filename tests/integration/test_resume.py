@@ -1,5 +1,6 @@
 """Failover and resume in one process (real gRPC): replicas, detach/resume, offload, cancel, no leaks."""
 
+import contextlib
 import threading
 
 import grpc
@@ -70,18 +71,24 @@ def test_detached_session_resumes_with_nothing_lost_or_repeated(target, offload)
         assert tokens_of(again) == hf_greedy(target.model, PROMPT, LONG)[50:] and again[-1].finish_reason == "length"
 
 
+def drop_then_lose_writes(stack, client, **request) -> tuple[str, list[int]]:
+    """Read 6 chunks of a resumable generation, break the stream, then roll the stored session back to its first 3
+    tokens (the store lost its last writes: Redis's fsync window); (session id, the tokens the client has)."""
+    session_id, got = read_then_drop(client, 6, **request)
+    store = stack.orchestrator.core.store
+    assert wait_for(lambda: store.load(session_id).status == DETACHED)
+    state = store.load(session_id)
+    state.committed_token_ids, state.generated = state.committed_token_ids[:3], 3  # rolled back
+    state.round += 1
+    store.commit(state)
+    return session_id, tokens_of(got)
+
+
 def test_client_ahead_of_the_store_gets_only_new_tokens(target):
     """Redis lost the last writes (e.g. fsync window): the session regenerates them, sending none twice."""
     with start_stack(target, [NgramProposer(DraftConfig())]) as stack:
         client = Client(stack.address)
-        session_id, got = read_then_drop(client, 6, prompt_token_ids=PROMPT, max_new_tokens=LONG)
-        store = stack.orchestrator.core.store
-        assert wait_for(lambda: store.load(session_id).status == DETACHED)
-        have = tokens_of(got)
-        state = store.load(session_id)
-        state.committed_token_ids, state.generated = state.committed_token_ids[:3], 3  # rolled back
-        state.round += 1
-        store.commit(state)
+        session_id, have = drop_then_lose_writes(stack, client, prompt_token_ids=PROMPT, max_new_tokens=LONG)
         rest = resume(client, session_id, len(have))
         assert have + tokens_of(rest) == hf_greedy(target.model, PROMPT, LONG)
 
@@ -95,14 +102,7 @@ def test_a_sampled_session_the_store_lost_tokens_of(target, seed):
     with start_stack(target, [NgramProposer(DraftConfig())]) as stack:
         client = Client(stack.address)
         whole = tokens_of(client.generate(**sampling)) if seed is not None else None
-        session_id, got = read_then_drop(client, 6, **sampling)
-        store = stack.orchestrator.core.store
-        assert wait_for(lambda: store.load(session_id).status == DETACHED)
-        have = tokens_of(got)
-        state = store.load(session_id)
-        state.committed_token_ids, state.generated = state.committed_token_ids[:3], 3  # rolled back
-        state.round += 1
-        store.commit(state)
+        session_id, have = drop_then_lose_writes(stack, client, **sampling)
         if seed is None:
             with pytest.raises(grpc.RpcError) as info:
                 resume(client, session_id, len(have))
@@ -147,27 +147,33 @@ def test_a_round_the_store_could_not_write_is_written_when_the_session_detaches(
         assert have + tokens_of(resume(client, "flaky", len(have))) == hf_greedy(target.model, PROMPT, LONG)
 
 
-def test_sdk_resume_reconnects_to_the_other_orchestrator(target):
-    """Two orchestrators sharing one store; the first one stops mid-stream; the SDK resumes on the second."""
+@contextlib.contextmanager
+def two_orchestrators(target, store=None):
+    """A stack and a second orchestrator sharing its verifier and session store; a client of both, the stack's first."""
     from specsplit.launch import start_orchestrator
 
-    store = InMemoryStore()
+    store = store if store is not None else InMemoryStore()
     with start_stack(target, [], store=store) as stack:
         second = start_orchestrator(stack.verifier.address, [], target.tokenizer, store=store)
         try:
-            client = Client([stack.address, second.address], reconnect_s=10)
-            stream = client.generate(prompt_token_ids=PROMPT, max_new_tokens=50, resume=True)
-            got = []
-            for chunk in stream:
-                got.append(chunk)
-                if len(got) == 5:
-                    stack.orchestrator.stop(grace=0)  # the first orchestrator goes away mid-stream
-            assert stream.reconnects >= 1
-            assert tokens_of(got) == hf_greedy(target.model, PROMPT, 50)
-            assert sum(1 for c in got if c.prompt_token_ids) == 1  # one header, however many reconnects
+            yield stack, second, Client([stack.address, second.address], reconnect_s=10)
         finally:
             second.stop(0)
             second.core.close()
+
+
+def test_sdk_resume_reconnects_to_the_other_orchestrator(target):
+    """Two orchestrators sharing one store; the first one stops mid-stream; the SDK resumes on the second."""
+    with two_orchestrators(target) as (stack, _, client):
+        stream = client.generate(prompt_token_ids=PROMPT, max_new_tokens=50, resume=True)
+        got = []
+        for chunk in stream:
+            got.append(chunk)
+            if len(got) == 5:
+                stack.orchestrator.stop(grace=0)  # the first orchestrator goes away mid-stream
+        assert stream.reconnects >= 1
+        assert tokens_of(got) == hf_greedy(target.model, PROMPT, 50)
+        assert sum(1 for c in got if c.prompt_token_ids) == 1  # one header, however many reconnects
 
 
 class StoreWithARivalWriter(InMemoryStore):
@@ -188,25 +194,17 @@ class StoreWithARivalWriter(InMemoryStore):
 def test_a_resume_that_loses_the_race_to_claim_the_session_resumes_again(target):
     """The orchestrator a resume reaches loses the claim to another writer (FAILED_PRECONDITION: resume it again):
     the SDK resumes again instead of failing the generation."""
-    from specsplit.launch import start_orchestrator
-
     store = StoreWithARivalWriter()
-    with start_stack(target, [], store=store) as stack:
-        second = start_orchestrator(stack.verifier.address, [], target.tokenizer, store=store)
-        try:
-            store.rival_for = second.core.instance
-            client = Client([stack.address, second.address], reconnect_s=10)
-            stream = client.generate(prompt_token_ids=PROMPT, max_new_tokens=LONG, resume=True)
-            got = []
-            for chunk in stream:
-                got.append(chunk)
-                if len(got) == 3:
-                    stack.orchestrator.stop(grace=0)  # the first orchestrator goes away mid-stream
-            assert not store.rival_for and stream.reconnects >= 2  # the claim lost once, then the resume again won
-            assert tokens_of(got) == hf_greedy(target.model, PROMPT, LONG)
-        finally:
-            second.stop(0)
-            second.core.close()
+    with two_orchestrators(target, store) as (stack, second, client):
+        store.rival_for = second.core.instance
+        stream = client.generate(prompt_token_ids=PROMPT, max_new_tokens=LONG, resume=True)
+        got = []
+        for chunk in stream:
+            got.append(chunk)
+            if len(got) == 3:
+                stack.orchestrator.stop(grace=0)  # the first orchestrator goes away mid-stream
+        assert not store.rival_for and stream.reconnects >= 2  # the claim lost once, then the resume again won
+        assert tokens_of(got) == hf_greedy(target.model, PROMPT, LONG)
 
 
 def test_sdk_starts_on_the_second_orchestrator_when_the_first_is_down(target):
@@ -231,24 +229,15 @@ def test_a_resumable_stream_cancelled_before_it_is_read_never_starts(target):
 
 def test_cancel_reaches_the_session_through_another_orchestrator(target):
     """The orchestrator a resumable stream used is gone: cancel() goes to the next address, which shares the store."""
-    from specsplit.launch import start_orchestrator
-
-    store = InMemoryStore()
-    with start_stack(target, [], store=store) as stack:
-        second = start_orchestrator(stack.verifier.address, [], target.tokenizer, store=store)
-        try:
-            client = Client([stack.address, second.address], reconnect_s=10)
-            stream = client.generate(prompt_token_ids=PROMPT, max_new_tokens=200, resume=True)
-            reader = iter(stream)
-            next(reader)
-            stack.orchestrator.stop(grace=0)
-            stream.cancel()
-            assert wait_for(lambda: store.load(stream.session_id).status == CANCELLED)
-            with pytest.raises(grpc.RpcError):
-                list(reader)  # the stream ends (it does not resume on the second)
-        finally:
-            second.stop(0)
-            second.core.close()
+    with two_orchestrators(target) as (stack, second, client):
+        stream = client.generate(prompt_token_ids=PROMPT, max_new_tokens=200, resume=True)
+        reader = iter(stream)
+        next(reader)
+        stack.orchestrator.stop(grace=0)
+        stream.cancel()
+        assert wait_for(lambda: second.core.store.load(stream.session_id).status == CANCELLED)
+        with pytest.raises(grpc.RpcError):
+            list(reader)  # the stream ends (it does not resume on the second)
 
 
 def test_cancel_frees_a_resumable_session(target):
