@@ -5,12 +5,14 @@
   60000) is how often they are sent; or "prometheus" (needs opentelemetry-exporter-prometheus): served for scraping
   at http://OTEL_EXPORTER_PROMETHEUS_HOST:OTEL_EXPORTER_PROMETHEUS_PORT/metrics (default localhost:9464)
 - OTEL_SERVICE_NAME: overrides the service name a process passes in
-- OTEL_EXPORTER_OTLP_ENDPOINT and friends: read by the OTLP exporters themselves
+- OTEL_EXPORTER_OTLP_PROTOCOL (or OTEL_EXPORTER_OTLP_TRACES_PROTOCOL / _METRICS_PROTOCOL): grpc (default) or
+  http/protobuf; OTEL_EXPORTER_OTLP_ENDPOINT and friends: read by the OTLP exporters themselves
 Core code only ever uses the OpenTelemetry API (``trace.get_tracer(__name__)``, ``specsplit.metrics``).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -39,15 +41,26 @@ def _resource(service_name: str):
     return Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)})
 
 
+OTLP_PROTOCOLS = {"grpc": "grpc", "http/protobuf": "http"}  # the standard variable's values -> exporter package
+
+
 def _otlp(kind: str):
+    """The OTLP exporter of ``kind`` ("traces", "metrics") over the protocol OTEL_EXPORTER_OTLP_<KIND>_PROTOCOL or
+    OTEL_EXPORTER_OTLP_PROTOCOL names (grpc, the default, or http/protobuf: a collector's port 4318)."""
+    variable = f"OTEL_EXPORTER_OTLP_{kind.upper()}_PROTOCOL"
+    protocol = os.environ.get(variable) or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc"
+    package = OTLP_PROTOCOLS.get(protocol.strip())
+    if package is None:
+        raise SystemExit(f"{variable} / OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r} is not supported; use "
+                         f"{' or '.join(OTLP_PROTOCOLS)}")
+    module = f"opentelemetry.exporter.otlp.proto.{package}.{'trace' if kind == 'traces' else 'metric'}_exporter"
     try:
-        if kind == "traces":
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Exporter
-        else:
-            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as Exporter
+        exporter = getattr(importlib.import_module(module), "OTLPSpanExporter" if kind == "traces" else
+                           "OTLPMetricExporter")
     except ImportError as err:
-        raise SystemExit(f"OTEL_{kind.upper()}_EXPORTER=otlp needs `pip install opentelemetry-exporter-otlp`") from err
-    return Exporter()
+        raise SystemExit(f"OTEL_{kind.upper()}_EXPORTER=otlp over {protocol} needs `pip install "
+                         f"opentelemetry-exporter-otlp` (or opentelemetry-exporter-otlp-proto-{package})") from err
+    return exporter()
 
 
 def _prometheus():

@@ -187,6 +187,56 @@ def test_separate_processes_export_one_trace_and_metrics_over_otlp(model_dir):
     assert counted["specsplit-verifier", "specsplit.verifier.forward.duration"] >= 1
 
 
+def test_otlp_over_http_protobuf_reaches_an_http_collector(model_dir):
+    """OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf (a collector's HTTP port, 4318): spans go as protobuf POSTs to
+    /v1/traces (before, the gRPC exporter was used whatever the variable said, and an HTTP-only collector got
+    nothing); a protocol no exporter speaks is refused with a clear message."""
+    import http.server
+    import json
+    import threading
+
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+    from processes import cli
+
+    spans = []  # (service.name, span name) of every span posted
+
+    class Collector(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - the http.server handler name
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            if self.path == "/v1/traces":
+                request = trace_service_pb2.ExportTraceServiceRequest.FromString(body)
+                for resource_spans in request.resource_spans:
+                    name = next(a.value.string_value for a in resource_spans.resource.attributes
+                                if a.key == "service.name")
+                    spans.extend((name, s.name) for scope in resource_spans.scope_spans for s in scope.spans)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    path, loaded = model_dir
+    otel = dict(OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+                OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{server.server_address[1]}",
+                OTEL_BSP_SCHEDULE_DELAY="50")
+    try:
+        out = cli("generate", "abcabcabcabc", "--target-model", str(path), "--draft", "ngram", "--max-new-tokens", "8",
+                  "--json", "--no-chat-template", **otel)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["token_ids"]
+        names = {name for _, name in spans}
+        assert any(n.startswith("specsplit.orchestrator.generate") for n in names), names  # flushed at exit
+        assert "specsplit.v1.VerifierService/Verify" in names, names
+        refused = cli("generate", "hi", "--target-model", str(path), **otel | dict(OTEL_EXPORTER_OTLP_PROTOCOL="http/json"))
+        assert refused.returncode != 0 and "http/json" in refused.stderr and "http/protobuf" in refused.stderr
+    finally:
+        server.shutdown()
+
+
 def test_metrics_count_what_the_stream_reports(target):
     """specsplit.metrics through an SDK meter provider: rounds, committed, drafted and accepted tokens add up to the
     stream's own round stats; the verifier's session gauge returns to where it was once the session is released."""
