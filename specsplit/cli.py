@@ -159,22 +159,27 @@ def generate(args) -> int:
                                      draft=args.draft, chat_template=not args.no_chat_template,
                                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                      seed=args.seed, resume=len(addresses) > 1)
-            for chunk in stream:
-                if chunk.prompt_token_ids:
-                    prompt_ids = chunk.prompt_token_ids
-                token_ids.extend(chunk.token_ids)
-                text_parts.append(chunk.text)
-                if chunk.stats is not None:
-                    rounds += 1
-                    accepted += chunk.stats.num_accepted
-                    drafted += chunk.stats.num_draft_tokens
-                    feature_bytes += chunk.stats.feature_bytes
-                    wasted += chunk.stats.wasted
-                    kept += chunk.stats.provisional_kept
-                    decoded += chunk.stats.num_decoded
-                finish = chunk.finish_reason or finish
-                if not args.json and chunk.text:
-                    print(chunk.text, end="", flush=True)
+            try:
+                for chunk in stream:
+                    if chunk.prompt_token_ids:
+                        prompt_ids = chunk.prompt_token_ids
+                    token_ids.extend(chunk.token_ids)
+                    text_parts.append(chunk.text)
+                    if chunk.stats is not None:
+                        rounds += 1
+                        accepted += chunk.stats.num_accepted
+                        drafted += chunk.stats.num_draft_tokens
+                        feature_bytes += chunk.stats.feature_bytes
+                        wasted += chunk.stats.wasted
+                        kept += chunk.stats.provisional_kept
+                        decoded += chunk.stats.num_decoded
+                    finish = chunk.finish_reason or finish
+                    if not args.json and chunk.text:
+                        print(chunk.text, end="", flush=True)
+            except (KeyboardInterrupt, BrokenPipeError):
+                # (a resumable session would stay detached, holding its cache, for a resume that never comes)
+                stream.cancel()
+                raise
             elapsed = time.perf_counter() - start
     except grpc.RpcError as err:
         print(f"\nspecsplit: error: {err.code().name}: {err.details()}", file=sys.stderr)

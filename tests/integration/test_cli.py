@@ -260,3 +260,39 @@ def test_a_draft_process_ends_with_the_process_that_started_it():
     while _running(child) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _running(child)
+
+
+def test_ctrl_c_on_a_resumable_generate_cancels_its_session(model_dir):
+    """`generate --orchestrator A,B` makes a resumable session; interrupted (Ctrl-C), the CLI cancels it rather than
+    leave it detached, its cache held on the verifier, for a resume that never comes."""
+    import signal
+    import time
+
+    from specsplit.rpc import RemoteVerifier
+    from tiny import EOS_ID, wait_for
+
+    path, loaded = model_dir
+    # a prompt whose greedy continuation runs long without the end-of-text token, so that it is still generating
+    prompt = next(p for p in ("abcabcabcabc", "hello world", "the quick brown fox", "0123456789")
+                  if EOS_ID not in hf_greedy(loaded.model, list(loaded.tokenizer(p)["input_ids"]), 400))
+    procs = []
+    try:
+        verifier, verifier_addr = serve("verifier", "--target-model", str(path))
+        procs.append(verifier)
+        orch, orch_addr = serve("orchestrator", "--verifier", verifier_addr, "--target-model", str(path))
+        procs.append(orch)
+        env = dict(os.environ, HF_HUB_OFFLINE="1", SPECSPLIT_THREADS="1")
+        client = subprocess.Popen([sys.executable, "-m", "specsplit.cli", "generate", prompt, "--orchestrator",
+                                   f"{orch_addr},{orch_addr}", "--max-new-tokens", "400", "--no-chat-template"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        client.stdout.read(1)  # it is generating
+        client.send_signal(signal.SIGINT)
+        assert client.wait(timeout=30) == 130, client.stderr.read()
+        start = time.monotonic()
+        assert wait_for(lambda: RemoteVerifier(verifier_addr).info(timeout=5).num_sessions == 0, timeout=5)
+        assert time.monotonic() - start < 5
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=20)
