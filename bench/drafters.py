@@ -42,7 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -56,13 +56,14 @@ from specsplit.client import Client  # noqa: E402
 from specsplit.config import DraftConfig, OrchestratorConfig  # noqa: E402
 from specsplit.heads import (FeatureDrafter, Manifest, MedusaHeads, build_draft_lm, draft_lm_manifest_config,  # noqa: E402
                              load_artifact, read_manifest, save_artifact)
-from specsplit.launch import DraftProcess, make_proposer, start_stack  # noqa: E402
+from specsplit.launch import DraftProcess, colocated_threads, make_proposer, start_stack  # noqa: E402
 from specsplit.models import load_model, target_identity  # noqa: E402
 from verifier_service.medusa import find_artifact, load_medusa  # noqa: E402
 
 SPECSPLIT = ["ngram", "eagle", "eagle+ngram", "medusa", "medusa+ngram", "draft_lm", "half", "half+ngram", "none"]
 METHODS = ["hf_greedy", "hf_assisted", "hf_assisted_half", *SPECSPLIT]
 HF_METHODS = ("hf_assisted", "hf_assisted_half")
+DRAFT_PROCESSES = ("half", "half+ngram")  # methods whose draft runs as a service process on these cores
 WARMUP_PROMPT = "Say hello."
 
 
@@ -187,7 +188,8 @@ def result_of(p: dict, method: str, tokens: list[int], seconds: float, rounds: i
                   tokens == base, statistics.mean(s.verify_ms for s in drafted) if drafted else 0.0)
 
 
-def bench_prompt(p: dict, methods: list[str], target, hf: HFWorker, client: Client, args) -> list[Result]:
+def bench_prompt(p: dict, methods: list[str], target, hf: HFWorker, clients: dict[str, Client], args) -> list[Result]:
+    """clients: each specsplit method's stack (see ``main``)."""
     ids = chat_ids(target.tokenizer, p["prompt"])
     base, base_s, base_rounds = hf.generate(ids, args.max_new_tokens)
     results = [result_of(p, "hf_greedy", base, base_s, base_rounds, base, base_s)]
@@ -197,7 +199,7 @@ def bench_prompt(p: dict, methods: list[str], target, hf: HFWorker, client: Clie
             results.append(result_of(p, method, tokens, seconds, rounds, base, base_s))
             continue
         draft = "model" if method == "draft_lm" else method
-        run = specsplit_run(client, ids, args.max_new_tokens, draft)
+        run = specsplit_run(clients[method], ids, args.max_new_tokens, draft)
         results.append(result_of(p, method, run["tokens"], run["seconds"], len(run["stats"]), base, base_s,
                                  run["stats"]))
     print(f"{p['id']}: " + ", ".join(f"{r.method} {r.tokens_per_s:.1f} tok/s tau {r.tau:.2f}"
@@ -207,7 +209,9 @@ def bench_prompt(p: dict, methods: list[str], target, hf: HFWorker, client: Clie
 
 # -- reporting --------------------------------------------------------------------------------------
 def markdown(results: list[Result], methods: list[str], skipped: dict[str, str], args, artifacts) -> str:
-    lines = [f"SmolLM2-135M-Instruct, fp32, CPU, {args.threads} torch threads, greedy, max_new_tokens="
+    lines = [f"SmolLM2-135M-Instruct, fp32, CPU, {args.threads} torch threads (half, half+ngram: the verifier on "
+             f"{colocated_threads(args.draft_threads)} beside their {args.draft_threads}-thread draft process), greedy, "
+             f"max_new_tokens="
              f"{args.max_new_tokens}. Speedup = tok/s / HF greedy tok/s on the same prompt (geometric mean over "
              "prompts); tau = tokens per verification round; accept@k = of the rounds whose tree reached depth k, "
              "the share that accepted >= k draft tokens.", ""]
@@ -292,23 +296,37 @@ def main(argv=None) -> None:
         hf = HFWorker(args.threads, str(lm_dir) if lm_dir and "hf_assisted" in methods else None,
                       half_assistant="hf_assisted_half" in methods)
         dtype = ["--draft-dtype", args.draft_dtype] if args.draft_dtype else []
+        process_methods = [m for m in DRAFT_PROCESSES if m in methods]
         processes = [DraftProcess(["--draft", m, "--threads", str(args.draft_threads), "--no-cache-reuse", *dtype])
-                     for m in ("half", "half+ngram") if m in methods]
+                     for m in process_methods]
         results: list[Result] = []
-        with start_stack(target, proposers, COLD_VERIFIER, medusa=medusa,
-                         orchestrator_config=OrchestratorConfig(trigger=args.trigger), processes=processes) as stack, \
-                Client(stack.address) as client, contextlib.closing(hf):
+        orchestrator_config = OrchestratorConfig(trigger=args.trigger)
+        with contextlib.ExitStack() as running:
+            # The verifier runs on --threads, as HF greedy does; the half drafts, in processes of their own on these
+            # cores, have a stack of their own whose verifier gets the cores their draft leaves (as `specsplit
+            # generate` runs them). One stack for all would give every method that verifier's thread count.
+            stack = running.enter_context(start_stack(target, proposers, replace(COLD_VERIFIER, threads=args.threads),
+                                                      medusa=medusa, orchestrator_config=orchestrator_config))
+            clients = dict.fromkeys(methods, running.enter_context(Client(stack.address)))
+            if processes:
+                beside = replace(COLD_VERIFIER, threads=colocated_threads(args.draft_threads))
+                half_stack = running.enter_context(start_stack(target, [], beside, processes=processes,
+                                                               orchestrator_config=orchestrator_config))
+                clients.update(dict.fromkeys(process_methods, running.enter_context(Client(half_stack.address))))
+            running.enter_context(contextlib.closing(hf))
             warm = chat_ids(target.tokenizer, WARMUP_PROMPT)
             hf.generate(warm, 8)
             for method in methods:
-                if method not in HF_METHODS:
-                    specsplit_run(client, warm, 8, "model" if method == "draft_lm" else method)
+                if method in HF_METHODS:
+                    hf.generate(warm, 8, assistant=method)
+                else:
+                    specsplit_run(clients[method], warm, 8, "model" if method == "draft_lm" else method)
             for i, p in enumerate(prompts):
                 print(f"[{i + 1}/{len(prompts)}] ", end="", file=sys.stderr)
-                results += bench_prompt(p, methods, target, hf, client, args)
+                results += bench_prompt(p, methods, target, hf, clients, args)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"model": target.name, "target_identity": target_identity(target), "threads": args.threads,
-            "draft_threads": args.draft_threads, "draft_dtype": args.draft_dtype or "auto",
+            "draft_threads": args.draft_threads, "half_verifier_threads": colocated_threads(args.draft_threads), "draft_dtype": args.draft_dtype or "auto",
             "max_new_tokens": args.max_new_tokens, "random_init": args.random_init, "artifacts": names,
             "skipped": skipped, "torch": torch.__version__, "cpus": os.cpu_count(),
             "tree": {"top_k": args.top_k, "depth": args.depth}, "trigger": args.trigger}

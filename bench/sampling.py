@@ -27,7 +27,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from run import HFWorker, chat_ids, geomean, load_prompts, wait_for_quiet  # noqa: E402
+from run import COLD_VERIFIER, HFWorker, chat_ids, geomean, load_prompts, wait_for_quiet  # noqa: E402
 
 from specsplit.client import Client  # noqa: E402
 from specsplit.launch import default_proposers, start_stack  # noqa: E402
@@ -64,9 +64,12 @@ def main(argv=None) -> None:
     hf = HFWorker(args.threads)
     loaded = load_model(None, "cpu", "float32")
     rows = []
-    with start_stack(loaded, default_proposers("ngram", None, "cpu", "float32")) as stack, \
+    # Cold: every run computes its prompt, as HF does (each prompt runs once per temperature: with the verifier's
+    # prefix cache, all but the first would copy it).
+    with start_stack(loaded, default_proposers("ngram", None, "cpu", "float32"), COLD_VERIFIER) as stack, \
             Client(stack.address) as client, contextlib.closing(hf):
         specsplit_run(client, "Say hello.", 8, 0.0, 0)
+        hf_run(hf, chat_ids(loaded.tokenizer, "Say hello."), 8, 0.0, 0)  # both warmed up alike
         for p in prompts:
             ids = chat_ids(loaded.tokenizer, p["prompt"])
             for t in temps:
