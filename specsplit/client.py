@@ -30,16 +30,24 @@ GenerateChunk = Chunk
 
 
 class GenerateStream:
-    """An iterator of chunks that can be cancelled (the server then stops and frees the session)."""
+    """An iterator of chunks that can be cancelled (the server then stops and frees the session; the iteration ends
+    there, without an error)."""
 
     def __init__(self, call):
         self._call = call
+        self._cancelled = False
 
     def __iter__(self) -> Iterator[Chunk]:
-        for msg in self._call:
-            yield chunk_from_pb(msg)
+        try:
+            for msg in self._call:
+                yield chunk_from_pb(msg)
+        except grpc.RpcError:
+            if self._cancelled:
+                return  # cancel(): the stream ends here
+            raise
 
     def cancel(self) -> None:
+        self._cancelled = True
         self._call.cancel()
 
 
@@ -93,7 +101,9 @@ class ResumableStream(GenerateStream):
                 # A resume that lost the race to claim the session (its old orchestrator still committed a round,
                 # or another resume claimed it first) is told to resume again from the session's current state.
                 raced = code == grpc.StatusCode.FAILED_PRECONDITION and resuming
-                if self._cancelled or (code not in RESUMABLE_CODES and not never_stored and not raced):
+                if self._cancelled:
+                    return  # cancel(): the stream ends here
+                if code not in RESUMABLE_CODES and not never_stored and not raced:
                     raise
                 now = time.monotonic()
                 give_up_at = give_up_at or now + self._client.reconnect_s

@@ -54,12 +54,11 @@ def test_client_cancel_releases_sessions(target):
     with start_stack(target, [NgramProposer(DraftConfig())]) as stack:
         stream = Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=200)
         got = []
-        with pytest.raises(grpc.RpcError) as info:
-            for chunk in stream:
-                got.append(chunk)
-                if len(got) == 3:
-                    stream.cancel()
-        assert info.value.code() == grpc.StatusCode.CANCELLED
+        for chunk in stream:  # (cancel() ends the iteration, without an error)
+            got.append(chunk)
+            if len(got) == 3:
+                stream.cancel()
+        assert len(got) == 3 and not got[-1].finish_reason
         assert wait_for(lambda: stack.verifier_engine.num_sessions() == 0)
         assert stack.draft_sessions() == 0
 

@@ -236,18 +236,17 @@ def test_cancel_reaches_the_session_through_another_orchestrator(target):
         stack.orchestrator.stop(grace=0)
         stream.cancel()
         assert wait_for(lambda: second.core.store.load(stream.session_id).status == CANCELLED)
-        with pytest.raises(grpc.RpcError):
-            list(reader)  # the stream ends (it does not resume on the second)
+        assert list(reader) == []  # the stream ends (it does not resume on the second)
 
 
 def test_cancel_frees_a_resumable_session(target):
     with start_stack(target, [NgramProposer(DraftConfig())]) as stack:
         client = Client(stack.address)
         stream = client.generate(prompt_token_ids=PROMPT, max_new_tokens=200, resume=True)
-        with pytest.raises(grpc.RpcError):
-            for i, _ in enumerate(stream):
-                if i == 3:
-                    stream.cancel()
+        for i, _ in enumerate(stream):  # (cancel() ends the iteration, without an error)
+            if i == 3:
+                stream.cancel()
+        assert i == 3
         assert wait_for(lambda: stack.verifier_sessions() == 0 and stack.draft_sessions() == 0)
         assert stack.orchestrator.core.store.load(stream.session_id).status == "cancelled"
         assert client.cancel(stream.session_id) is False  # already over
@@ -320,16 +319,14 @@ def test_no_kv_cache_is_left_after_200_sessions(target):
                 list(client.generate(prompt_token_ids=prompt, max_new_tokens=6))
             elif kind == 1:  # cancelled by the client (plain stream)
                 stream = client.generate(prompt_token_ids=prompt, max_new_tokens=100)
-                with pytest.raises(grpc.RpcError):
-                    for j, _ in enumerate(stream):
-                        if j == 2:
-                            stream.cancel()
+                for j, _ in enumerate(stream):
+                    if j == 2:
+                        stream.cancel()
             elif kind == 2:  # resumable, cancelled through Cancel
                 stream = client.generate(prompt_token_ids=prompt, max_new_tokens=100, resume=True)
-                with pytest.raises(grpc.RpcError):
-                    for j, _ in enumerate(stream):
-                        if j == 2:
-                            stream.cancel()
+                for j, _ in enumerate(stream):
+                    if j == 2:
+                        stream.cancel()
             elif kind == 3:  # resumable, breaks off, resumes, finishes
                 session_id, got = read_then_drop(client, 3, prompt_token_ids=prompt, max_new_tokens=12)
                 # (12 tokens may all be done before the break is noticed: a finished session resumes as well)
