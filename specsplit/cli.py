@@ -183,7 +183,7 @@ def generate(args) -> int:
             elapsed = time.perf_counter() - start
     except grpc.RpcError as err:
         print(f"\nspecsplit: error: {err.code().name}: {err.details()}", file=sys.stderr)
-        return 1
+        return 2 if err.code() == grpc.StatusCode.INVALID_ARGUMENT else 1  # (2: the request itself was bad)
     finally:
         if stack is not None:
             stack.close()

@@ -85,12 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
                           help="0 (default): greedy; > 0: sample from softmax(logits / temperature)")
     sampling.add_argument("--top-k", type=_at_least(0), default=0, help="sample among the k likeliest (0: all)")
     sampling.add_argument("--top-p", type=_probability, default=1.0,
-                          help="sample from the smallest set of tokens holding this probability (default 1: all)")
+                          help="sample from the smallest set of tokens holding this probability (default 1, or "
+                               "0: off, all tokens)")
     sampling.add_argument("--seed", type=_at_least(0, below=2**64), default=None, help="random seed (default: a fresh one)")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object (prompt_token_ids, token_ids, text, rounds, mean_accepted_tokens, "
                           "tokens_per_second, elapsed_s, ...) instead of streaming text")
-    gen.add_argument("--orchestrator", default=_env("SPECSPLIT_ORCHESTRATOR"),
+    gen.add_argument("--orchestrator", type=_address_list, default=_env("SPECSPLIT_ORCHESTRATOR"),
                      help="HOST:PORT of a running orchestrator; skips the embedded stack. Several, comma-separated "
                           "(sharing a --redis-url store): the generation resumes on another one if one fails")
     _model_flags(gen)
@@ -167,12 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
                                            "clients; several sharing one --redis-url resume each other's sessions. "
                                            "Stops on SIGTERM/SIGINT after draining in-flight calls (--drain-s).")
     _listen_flag(orch, 50051)
-    orch.add_argument("--verifier", default=_env("SPECSPLIT_VERIFIER"),
+    orch.add_argument("--verifier", type=_address_list, default=_env("SPECSPLIT_VERIFIER"),
                       help="HOST:PORT of the verifier (env SPECSPLIT_VERIFIER)")
-    orch.add_argument("--verifiers", default=_env("SPECSPLIT_VERIFIERS", ""),
+    orch.add_argument("--verifiers", type=_address_list, default=_env("SPECSPLIT_VERIFIERS", ""),
                       help="comma-separated HOST:PORT of verifier replicas (env SPECSPLIT_VERIFIERS); a session "
                            "moves to another replica when its replica dies")
-    orch.add_argument("--drafts", default=_env("SPECSPLIT_DRAFTS", ""),
+    orch.add_argument("--drafts", type=_address_list, default=_env("SPECSPLIT_DRAFTS", ""),
                       help="comma-separated HOST:PORT of draft services, 'auto' preference first (env "
                            "SPECSPLIT_DRAFTS; empty: target-only)")
     orch.add_argument("--target-model", default=_env("SPECSPLIT_TARGET_MODEL"),
@@ -226,6 +227,23 @@ def _address(text: str) -> str:
         return check_address(text)
     except InvalidArgument as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _address_list(text: str) -> str:
+    """A comma-separated list of HOST:PORT addresses (each checked: a typo fails at start, not at the first call)."""
+    for address in (a.strip() for a in text.split(",")):
+        if address:
+            _address(address)
+    return text
+
+
+def _draft_dtype(text: str) -> str:
+    from specsplit.models import DTYPES  # (torch: loaded only when the flag is given)
+
+    names = ["auto", *sorted(DTYPES), "int8", "int4"]
+    if text and text not in names:
+        raise argparse.ArgumentTypeError(f"choose one of {', '.join(names)}; got {text!r}")
+    return text
 
 
 def _verbose_flag(parser: argparse.ArgumentParser) -> None:
@@ -314,7 +332,7 @@ def _draft_flags(parser: argparse.ArgumentParser) -> None:
     from specsplit.config import DraftConfig
 
     group = parser.add_argument_group("model drafts (draft service, or the embedded stack; --draft model, half or eagle)")
-    group.add_argument("--draft-dtype", default=_env("SPECSPLIT_DRAFT_DTYPE"),
+    group.add_argument("--draft-dtype", type=_draft_dtype, default=_env("SPECSPLIT_DRAFT_DTYPE"),
                        help="the draft model's dtype (--draft model or half): default for half: whichever of float16, "
                             "bfloat16, float32 and (on a CPU) int8 and int4 weights runs a draft step fastest on this "
                             "machine, timed at start (int8: one scale per weight row, ~2%% fewer tokens agreeing; int4: "

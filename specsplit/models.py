@@ -147,14 +147,25 @@ def model_path(spec: str | os.PathLike | None) -> pathlib.Path:
 
 
 def load_tokenizer(spec: str | os.PathLike | None) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(model_path(spec))
+    path = model_path(spec)
+    return _loaded(path, "tokenizer", lambda: AutoTokenizer.from_pretrained(path))
+
+
+def _loaded(path, part: str, load):
+    """``load()``, a model directory that cannot give its ``part`` (no tokenizer files, no weights, a corrupt file)
+    named in one line instead of a transformers traceback."""
+    try:
+        return load()
+    except (OSError, ValueError, ImportError, RuntimeError) as err:
+        reason = " ".join(str(err).split())
+        raise InvalidArgument(f"cannot load the {part} from {path}: {reason[:300]}") from None
 
 
 def load_model(spec: str | os.PathLike | None, device: str | None = "auto", dtype: str | torch.dtype | None = "float32") -> LoadedModel:
     path = model_path(spec)
     where, dtype = resolve_device(device), resolve_dtype(dtype)  # a wrong device or dtype fails before loading
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    tokenizer = _loaded(path, "tokenizer", lambda: AutoTokenizer.from_pretrained(path))
+    model = _loaded(path, "model weights", lambda: AutoModelForCausalLM.from_pretrained(path, dtype=dtype))
     model.to(where).eval()
     default = spec in (None, "", "default", DEFAULT_TARGET)
     name = DEFAULT_TARGET if default else str(spec)

@@ -57,6 +57,26 @@ def test_bad_input_exits_with_a_clear_message(model_dir):
     assert out.returncode == 2 and "not a local Hugging Face model directory" in out.stderr
     out = cli("generate", "hello", "--burst-max", "0")
     assert out.returncode == 2 and "--burst-max: must be 1..65" in out.stderr
+    out = cli("generate", "", "--target-model", str(path), "--draft", "none")  # refused by the orchestrator: bad input
+    assert out.returncode == 2 and "INVALID_ARGUMENT: prompt is empty" in out.stderr, out.stderr
+
+
+def test_an_incomplete_model_directory_is_named_in_one_line(model_dir, tmp_path):
+    """A model directory without its tokenizer files, or without its weights: exit 2 and one line that names what is
+    missing (before: a transformers traceback)."""
+    import shutil
+
+    path, _ = model_dir
+    for kept, missing in ((("config.json", "model.safetensors"), "tokenizer"), (("config.json", "tokenizer.json",
+                                                                                  "tokenizer_config.json"), "model weights")):
+        broken = tmp_path / missing.replace(" ", "_")
+        broken.mkdir()
+        for name in kept:
+            if (path / name).exists():
+                shutil.copy(path / name, broken / name)
+        out = cli("generate", "hello", "--target-model", str(broken), "--draft", "none")
+        assert out.returncode == 2 and f"cannot load the {missing} from {broken}" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
 
 
 def test_generate_with_the_half_draft(model_dir):
@@ -97,6 +117,10 @@ def test_each_service_has_its_own_flags():
 @pytest.mark.parametrize("args, words", [
     (("serve", "draft", "--listen", "127.0.0.1:99999"), "not a HOST:PORT address"),
     (("serve", "draft", "--listen", "garbage"), "not a HOST:PORT address"),
+    (("serve", "orchestrator", "--verifier", "nonsense"), "not a HOST:PORT address"),
+    (("serve", "orchestrator", "--verifier", "v:1", "--drafts", "d:1,oops"), "free port): 'oops'"),
+    (("generate", "hi", "--orchestrator", "a:1,b"), "free port): 'b'"),
+    (("generate", "hi", "--draft", "half", "--draft-dtype", "float64"), "choose one of auto, bf16"),
     (("serve", "verifier", "--prefill-chunk", "0"), "--prefill-chunk: must be >= 1"),
     (("generate", "hi", "--threads", "-1"), "--threads: must be >= 0"),
     (("generate", "hi", "--branch-threshold", "2"), "a probability: 0..1"),
