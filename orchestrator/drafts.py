@@ -24,7 +24,7 @@ from specsplit.growth import GrowingTree, best_leaf
 from specsplit.lookup import LOOKUP_PROB, SpanLookup, span_hits, use_bridge, use_span
 from specsplit.provisional import follows, reconcile_provisional
 from specsplit.rpc import DraftInfo, RpcError
-from specsplit.tree import TokenTree, union_trees
+from specsplit.tree import TokenTree, branch_below, union_trees
 
 log = logging.getLogger("orchestrator.generation")
 
@@ -323,12 +323,7 @@ class DraftMixin:
         followed = follows(committed, route_ids)
         if kept:
             session.ahead = route[len(route) - len(kept):]
-        if accepted:
-            branch = tree.path_to(verdict.accepted_nodes[-1])
-            below = [n for n in range(len(tree)) if branch[-1] in tree.path_to(n)]
-            branch = tree.path_to(max(below, key=lambda n: len(tree.path_to(n))))
-        else:
-            branch = path
+        branch = branch_below(tree.parents, verdict.accepted_nodes[-1]) if accepted else path
         trigger.observe(RoundOutcome(
             num_drafted=len(branch), num_accepted=accepted,
             confidences=tuple(tree.confidence[n] for n in branch), committed=len(committed), round_ms=round_ms,

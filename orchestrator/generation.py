@@ -250,19 +250,22 @@ class Orchestrator(DraftMixin):
             fresh = self.store.load(session.id)
             if fresh is not None and fresh.status == CANCELLED:
                 raise _CancelledElsewhere() from None
-            if fresh is not None and fresh.owner == state.owner == self.instance and fresh.round == state.round - 2:
-                # This process's previous write failed unapplied (the store was unreachable: a round's commit that
-                # ended the stream with UNAVAILABLE), and nobody wrote since: this write takes that round.
-                state.round -= 1
-                try:
-                    self.store.commit(state)
-                except StaleRound:
-                    session.lost = True
-                    raise
-            else:
+            if not self._retake_round(state, fresh):
                 session.lost = True
                 raise
         session.committed_final = state.status in TERMINAL or state.status == DETACHED
+
+    def _retake_round(self, state: SessionState, fresh: SessionState | None) -> bool:
+        """After a write refused as stale: if this process's previous write failed unapplied (the store unreachable: a
+        round's commit that ended the stream with UNAVAILABLE) and nobody wrote since, write ``state`` in that round."""
+        if fresh is None or not (fresh.owner == state.owner == self.instance) or fresh.round != state.round - 2:
+            return False
+        state.round -= 1
+        try:
+            self.store.commit(state)
+        except StaleRound:
+            return False
+        return True
 
     # -- the loop ------------------------------------------------------------------------------------
     def generate(self, request: GenerationRequest, cancelled: threading.Event | None = None) -> Iterator[Chunk]:
@@ -388,7 +391,7 @@ class Orchestrator(DraftMixin):
                 if token in eos:
                     visible, finish = committed[: i + 1], "eos"
                     break
-            hidden, kept, text, hit_stop = self._add_text(session, visible)
+            hidden, kept, text, hit_stop = session.add_text(visible)
             if hit_stop:
                 finish = "stop"
             state.generated += len(hidden) + len(kept)
@@ -406,7 +409,7 @@ class Orchestrator(DraftMixin):
             stats = RoundStats(state.rounds, len(tree), len(verdict.accepted_nodes), len(kept), draft_ms or 0.0,
                                timing.verify_ms, self._drafter_name(session) if tree else "none", tree.depth,
                                feature_bytes, wasted, kept_provisional, len(verdict.decoded_token_ids))
-            record_round(stats, round_start)
+            meter.record_round(stats, round_start)
             if kept or text or finish:
                 yield Chunk(text, kept, stats=stats, finish_reason=finish)
             if finish:
@@ -435,35 +438,7 @@ class Orchestrator(DraftMixin):
             return early[1]
         return self.placement.verify(session, tree, remaining, decode_steps=steps)
 
-    @staticmethod
-    def _add_text(session: LiveSession, tokens: list[int]) -> tuple[list[int], list[int], str, bool]:
-        """Detokenize a round's tokens: (tokens the client already has, new tokens kept, new text, hit a stop)."""
-        hidden: list[int] = []
-        if session.skip:
-            hidden, _, hit = session.stream.add(tokens[: session.skip])
-            session.skip -= len(tokens[: session.skip])
-            tokens = tokens[len(hidden):]
-            if hit or not tokens:
-                return hidden, [], "", hit
-        kept, text, hit = session.stream.add(tokens)
-        return hidden, kept, text, hit
-
-
-def record_round(stats: RoundStats, start: float) -> None:
-    attributes = {"drafter": stats.drafter}
-    meter.rounds.add(1, attributes)
-    meter.committed_tokens.add(stats.num_committed, attributes)
-    meter.draft_tokens.add(stats.num_draft_tokens, attributes)
-    meter.accepted_tokens.add(stats.num_accepted, attributes)
-    meter.round_duration.record((time.perf_counter() - start) * 1e3, attributes)
-
 
 def _branch_depth(tree: TokenTree, verdict) -> int:
     """Depth of the branch acceptance followed (the deepest branch when nothing was accepted)."""
-    if not len(tree):
-        return 0
-    if not verdict.accepted_nodes:
-        return tree.depth
-    last = verdict.accepted_nodes[-1]
-    below = [d for i, d in enumerate(tree.depths) if last in tree.path_to(i)]
-    return max(below)
+    return len(tree.branch_below(verdict.accepted_nodes[-1])) if verdict.accepted_nodes else tree.depth

@@ -81,6 +81,18 @@ class LiveSession:
     def save_controller(self) -> None:
         self.state.controller = asdict(self.controller)
 
+    def add_text(self, tokens: list[int]) -> tuple[list[int], list[int], str, bool]:
+        """Detokenize a round's tokens: (tokens the client already has, new tokens kept, new text, hit a stop)."""
+        hidden: list[int] = []
+        if self.skip:
+            hidden, _, hit = self.stream.add(tokens[: self.skip])
+            self.skip -= len(tokens[: self.skip])
+            tokens = tokens[len(hidden):]
+            if hit or not tokens:
+                return hidden, [], "", hit
+        kept, text, hit = self.stream.add(tokens)
+        return hidden, kept, text, hit
+
 
 def controller_from_state(state: SessionState, max_nodes: int) -> BudgetController:
     """The session's budget controller: fresh, or as it was after the last committed round."""

@@ -11,6 +11,8 @@ Verifier: forward duration, rows (sessions) and tokens per forward, sessions hel
 
 from __future__ import annotations
 
+import time
+
 from opentelemetry import metrics
 
 _meter = metrics.get_meter("specsplit")
@@ -39,3 +41,13 @@ sessions = _meter.create_up_down_counter("specsplit.verifier.sessions", unit="{s
                                          description="sessions whose K/V the verifier holds")
 refused = _meter.create_counter("specsplit.verifier.refused", unit="{request}",
                                 description="new sessions refused with RESOURCE_EXHAUSTED, by reason")
+
+
+def record_round(stats, start: float) -> None:
+    """One orchestrator round (``specsplit.stream.RoundStats``) that began at ``start`` (perf_counter), by drafter."""
+    attributes = {"drafter": stats.drafter}
+    rounds.add(1, attributes)
+    committed_tokens.add(stats.num_committed, attributes)
+    draft_tokens.add(stats.num_draft_tokens, attributes)
+    accepted_tokens.add(stats.num_accepted, attributes)
+    round_duration.record((time.perf_counter() - start) * 1e3, attributes)

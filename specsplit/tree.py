@@ -160,8 +160,19 @@ class TokenTree:
         """Node indices from the root's child down to ``node``."""
         return path_to(self.parents, node)
 
+    def branch_below(self, node: int) -> list[int]:
+        return branch_below(self.parents, node)
+
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))
+
+
+def branch_below(parents, node: int) -> list[int]:
+    """The deepest branch through ``node`` (the first deepest in index order): node indices from the root's child down
+    to the deepest node under ``node``, itself included (after a verification: the branch acceptance followed, ``node``
+    its last accepted node)."""
+    below = [n for n in range(len(parents)) if node in path_to(parents, n)]
+    return path_to(parents, max(below, key=lambda n: len(path_to(parents, n))))
 
 
 def path_to(parents, node: int) -> list[int]:
