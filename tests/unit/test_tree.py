@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from specsplit.errors import InvalidArgument, ResourceExhausted
-from specsplit.tree import TokenTree, build_buffers, full_attention_mask, tree_attn_mask
+from specsplit.tree import TokenTree, branch_below, build_buffers, full_attention_mask, tree_attn_mask
 
 
 def test_hand_drawn_tree_mask_and_positions():
@@ -72,3 +72,19 @@ def test_malformed_trees_are_invalid_argument(tree, message):
 def test_too_many_nodes_is_resource_exhausted():
     with pytest.raises(ResourceExhausted, match="at most 4"):
         TokenTree.chain(list(range(5))).validate(vocab_size=100, max_nodes=4)
+
+
+def test_branch_below_is_the_deepest_branch_through_a_node():
+    #        root
+    #       /    \
+    #      0      1
+    #     / \      \
+    #    2   3      4
+    #        |
+    #        5
+    parents = [-1, -1, 0, 0, 1, 3]
+    assert branch_below(parents, 0) == [0, 3, 5]  # the deeper of node 0's two branches
+    assert branch_below(parents, 1) == [1, 4]
+    assert branch_below(parents, 2) == [0, 2]  # a leaf: its own path
+    tree = TokenTree((5, 6, 7, 8, 9, 10), tuple(parents))
+    assert tree.branch_below(0) == [0, 3, 5]
