@@ -214,6 +214,8 @@ class TargetEngine(KVTransfer):
             continuing = []
         parked, self._parked = self._parked, []
         for work in parked:
+            if work.future.done():  # failed with the tick
+                continue
             started = True if work.session.released else self._begin_prefill(work)
             if started:
                 continuing.append(work)
