@@ -303,7 +303,9 @@ def test_ctrl_c_on_a_resumable_generate_cancels_its_session(model_dir):
     try:
         verifier, verifier_addr = serve("verifier", "--target-model", str(path))
         procs.append(verifier)
-        orch, orch_addr = serve("orchestrator", "--verifier", verifier_addr, "--target-model", str(path))
+        # (one token a round: the tiny model would decode all 400 in bursts within a quarter second, before the signal)
+        orch, orch_addr = serve("orchestrator", "--verifier", verifier_addr, "--target-model", str(path), "--burst-max",
+                                "1")
         procs.append(orch)
         env = dict(os.environ, HF_HUB_OFFLINE="1", SPECSPLIT_THREADS="1")
         client = subprocess.Popen([sys.executable, "-m", "specsplit.cli", "generate", prompt, "--orchestrator",
