@@ -308,9 +308,11 @@ def test_ctrl_c_on_a_resumable_generate_cancels_its_session(model_dir):
                                 "1")
         procs.append(orch)
         env = dict(os.environ, HF_HUB_OFFLINE="1", SPECSPLIT_THREADS="1")
+        # (SIGINT as a terminal delivers it: a test run started in the background inherits it ignored)
         client = subprocess.Popen([sys.executable, "-m", "specsplit.cli", "generate", prompt, "--orchestrator",
                                    f"{orch_addr},{orch_addr}", "--max-new-tokens", "400", "--no-chat-template"],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         client.stdout.read(1)  # it is generating
         client.send_signal(signal.SIGINT)
         assert client.wait(timeout=30) == 130, client.stderr.read()
