@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from draft_service.quantized import INT4, Int4Weight, Int8Weight, RescoredHead, int4_available, int4_fits, int8_available
 from specsplit.kvcache import LeanCache
-from specsplit.llama import rms_norm, rotate_half, supports
+from specsplit.llama import kv_shape, rms_norm, rotate_half, supports
 
 FEW_QUERIES = 16  # forwards of at most this many tokens attend with plain matmuls; longer ones through SDPA
 
@@ -70,8 +70,7 @@ class LeanLlama:
         # float32 activations on a CPU (16-bit elementwise ops are slower there); the weights' dtype on a GPU.
         self.dtype = compute_dtype or (torch.float32 if self.device.type == "cpu" else self.weight_dtype)
         self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_kv_heads, self.head_dim = kv_shape(config)
         self.eps = config.rms_norm_eps
         self._rotary = model.model.rotary_emb
 

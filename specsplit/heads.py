@@ -31,6 +31,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from specsplit.errors import FailedPrecondition, InvalidArgument
+from specsplit.llama import kv_shape
 
 ARTIFACTS_DIR = pathlib.Path(__file__).parent / "artifacts"  # the artifacts shipped with specsplit
 # half: no weights of its own (the target itself at float16); its manifest records what was measured with which
@@ -149,8 +150,7 @@ class DrafterConfig:
     @classmethod
     def of_target(cls, config, head_vocab: int = 0) -> "DrafterConfig":
         rope = getattr(config, "rope_parameters", None) or {}
-        return cls(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-                   getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        return cls(config.hidden_size, config.num_attention_heads, *kv_shape(config),
                    config.intermediate_size, config.rms_norm_eps,
                    float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
                    config.max_position_embeddings, config.vocab_size, head_vocab)

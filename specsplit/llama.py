@@ -17,6 +17,13 @@ def supports(model) -> bool:
     )
 
 
+def kv_shape(config) -> tuple[int, int]:
+    """(H_kv, D): a Llama-architecture config's key/value heads and head size (hidden / heads when it names none)."""
+    heads = int(config.num_attention_heads)
+    return (int(getattr(config, "num_key_value_heads", None) or heads),
+            int(getattr(config, "head_dim", None) or config.hidden_size // heads))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """[..., H] -> [..., H]: LlamaRMSNorm (statistics in float32, then the weight in x's dtype)."""
     dtype = x.dtype

@@ -37,6 +37,7 @@ from specsplit.accept import Verdict, accept_greedy
 from specsplit.config import VerifierConfig
 from specsplit.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from specsplit.features import Features
+from specsplit.llama import kv_shape
 from specsplit.models import LoadedModel
 from specsplit.sampling import SamplingParams, accept_sampled, distribution, round_seed
 from specsplit.tree import TokenTree
@@ -70,10 +71,7 @@ class TargetEngine(KVTransfer):
         self.dtype = self.model.dtype
         self.stats = BatchStats()
         self._num_layers = int(self.model.config.num_hidden_layers)
-        model_config = self.model.config
-        heads = int(model_config.num_attention_heads)
-        self._kv_shape = (int(getattr(model_config, "num_key_value_heads", None) or heads),  # (H_kv, D) of its K/V
-                          int(getattr(model_config, "head_dim", None) or model_config.hidden_size // heads))
+        self._kv_shape = kv_shape(self.model.config)  # (H_kv, D) of its K/V
         self._packed_forward = packed_forward_for(self.model, self.config.lean_forward)
         self._store = SlotStore(self.config.max_sessions, self.config.kv_grow_tokens)
         self._prefixes = PrefixCache(self.config.prefix_cache_tokens)
