@@ -11,12 +11,12 @@ from __future__ import annotations
 import copy
 import logging
 import queue
-import threading
 import time
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
+from orchestrator.placement import traced_thread
 from orchestrator.session import LiveSession
 from orchestrator.trigger import RoundOutcome, leaves_stub, make_trigger, tree_confidence
 from specsplit.errors import FailedPrecondition, InvalidArgument
@@ -384,7 +384,7 @@ class DraftMixin:
             except Exception:  # noqa: BLE001 - best effort (the draft may be gone, the channel closed meanwhile)
                 pass
 
-        threading.Thread(target=end, daemon=True, name="draft-end").start()
+        traced_thread(end, f"specsplit-draft-end-{session_id}")
 
 
 def _draft_seeded(steps, token_ids) -> bool:

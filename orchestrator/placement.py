@@ -204,7 +204,7 @@ class KvPlacement:
             except BaseException as err:  # noqa: BLE001 - the session's own thread raises it
                 inflight.future.set_exception(err)
 
-        _traced_thread(run, f"specsplit-prefill-{session.id}")
+        traced_thread(run, f"specsplit-prefill-{session.id}")
         return inflight
 
     def send_early(self, session, tree, max_commit: int, decode_steps: int = 0):
@@ -300,7 +300,7 @@ class KvPlacement:
                 with self._lock:
                     self._releasing.discard(threading.current_thread())
 
-        thread = _traced_thread(run, f"specsplit-release-{session.id}", start=False)
+        thread = traced_thread(run, f"specsplit-release-{session.id}", start=False)
         with self._lock:  # counted before it runs (a quick one must not be discarded before it is added)
             self._releasing.add(thread)
         thread.start()
@@ -338,7 +338,7 @@ class KvPlacement:
             log.warning("release of %s on %s failed: %s", session_id, replica.address, err.code())
 
 
-def _traced_thread(target, name: str, start: bool = True) -> threading.Thread:
+def traced_thread(target, name: str, start: bool = True) -> threading.Thread:
     """A daemon thread that runs ``target`` in the caller's trace context (the generate span: the spans it makes stay
     in the generation's trace)."""
     parent = context.get_current()
