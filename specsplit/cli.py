@@ -153,7 +153,7 @@ def generate(args) -> int:
     finish = ""
     try:
         addresses = _addresses(address)
-        with Client(addresses, tls=tls) as client:
+        with Client(addresses, tls=tls, on_reconnect=_tell_reconnect(len(addresses))) as client:
             start = time.perf_counter()
             stream = client.generate(args.prompt, max_new_tokens=args.max_new_tokens, stop=args.stop,
                                      draft=args.draft, chat_template=not args.no_chat_template,
@@ -216,6 +216,15 @@ def generate(args) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def _tell_reconnect(n_addresses: int):
+    """Says on stderr why a resumable stream stalls: each orchestrator's failure once per stall."""
+    def tell(reconnect) -> None:
+        if reconnect.attempt <= n_addresses:
+            print(f"\nspecsplit: orchestrator {reconnect.failed}: {reconnect.code.name} ({reconnect.details}); "
+                  f"trying {reconnect.next} (for {reconnect.seconds_left:.0f} s more)", file=sys.stderr)
+    return tell
 
 
 def serve(args) -> int:

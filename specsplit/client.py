@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import grpc
 
@@ -27,6 +28,17 @@ from specsplit.tls import TLS
 from specsplit.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 GenerateChunk = Chunk
+
+
+@dataclass(frozen=True)
+class Reconnect:
+    """Why a resumable generation reconnects, and where to: given to ``Client(on_reconnect=...)``."""
+    failed: str  # the orchestrator whose call failed (host:port)
+    code: grpc.StatusCode
+    details: str
+    next: str  # the orchestrator tried next
+    seconds_left: float  # until the generation gives up (``reconnect_s`` after the first failure without progress)
+    attempt: int  # 1 for the first reconnect since the stream last made progress
 
 
 class GenerateStream:
@@ -76,7 +88,7 @@ class ResumableStream(GenerateStream):
     def __iter__(self) -> Iterator[Chunk]:
         request, received, started = self._request, 0, False
         give_up_at = None
-        delay = 0.05
+        delay, attempt = 0.05, 0
         while True:
             if self._cancelled:  # cancelled before the first call, or while reconnecting: nothing more comes
                 return
@@ -84,7 +96,7 @@ class ResumableStream(GenerateStream):
             try:
                 for msg in self._call:
                     chunk = chunk_from_pb(msg)
-                    give_up_at, delay = None, 0.05  # progress: a later failure gets a fresh reconnect window
+                    give_up_at, delay, attempt = None, 0.05, 0  # progress: a later failure gets a fresh window
                     if chunk.prompt_token_ids is not None and not chunk.token_ids and not chunk.finish_reason:
                         if started:
                             continue  # a resumed stream repeats the header; the caller has it
@@ -109,10 +121,15 @@ class ResumableStream(GenerateStream):
                 give_up_at = give_up_at or now + self._client.reconnect_s
                 if now > give_up_at:
                     raise
-                time.sleep(delay)
-                delay = min(2 * delay, 1.0)
+                failed, attempt = self._index, attempt + 1
                 if not never_stored and not raced:  # (that orchestrator answered: the same one starts it again)
                     self._index = (self._index + 1) % len(self._client.addresses)
+                if self._client.on_reconnect is not None:
+                    self._client.on_reconnect(Reconnect(self._client.addresses[failed], code, err.details() or "",
+                                                        self._client.addresses[self._index], give_up_at - now,
+                                                        attempt))
+                time.sleep(delay)
+                delay = min(2 * delay, 1.0)
                 self.reconnects += 1
                 # Resume where we are; a session no orchestrator ever stored is started again, same id.
                 request = self._request if never_stored else orchestrator_pb2.GenerateRequest(
@@ -136,11 +153,13 @@ class ResumableStream(GenerateStream):
 
 class Client:
     def __init__(self, address: str | Sequence[str], timeout: float | None = 600.0, reconnect_s: float = 30.0,
-                 tls: TLS | None = None):
+                 tls: TLS | None = None, on_reconnect: Callable[[Reconnect], None] | None = None):
         """address: host:port of an orchestrator, or several that share a session store (a ``resume=True``
         generation moves between them); timeout: default deadline of a whole generation (s);
         reconnect_s: how long a resumable generation keeps trying to reconnect after a failure;
-        tls: ``specsplit.TLS(ca=...)`` for an orchestrator serving TLS (plus ``cert``/``key`` for mutual TLS)."""
+        tls: ``specsplit.TLS(ca=...)`` for an orchestrator serving TLS (plus ``cert``/``key`` for mutual TLS);
+        on_reconnect: called with a ``Reconnect`` before each reconnect of a resumable generation (to tell a user
+        why the stream stalls; it must not raise)."""
         self.tls = (tls or TLS()).for_calls()
         self.addresses = [address] if isinstance(address, str) else list(address)
         if not self.addresses:
@@ -148,6 +167,7 @@ class Client:
         self.address = self.addresses[0]
         self.timeout = timeout
         self.reconnect_s = reconnect_s
+        self.on_reconnect = on_reconnect
         self._channels: dict[int, grpc.Channel] = {}
 
     def _stub(self, index: int) -> orchestrator_pb2_grpc.OrchestratorServiceStub:

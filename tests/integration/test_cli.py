@@ -9,6 +9,7 @@ import pytest
 
 from pki import make_pki
 from processes import cli, serve
+from redis_server import free_port
 from tiny import hf_greedy
 
 JSON_KEYS = {"prompt_token_ids", "token_ids", "text", "rounds", "mean_accepted_tokens", "tokens_per_second",
@@ -160,6 +161,12 @@ def test_services_as_separate_processes(model_dir):
         assert out.returncode == 0, out.stderr
         result = json.loads(out.stdout)
         assert result["token_ids"] == hf_greedy(loaded.model, result["prompt_token_ids"], 16)
+        down = f"127.0.0.1:{free_port()}"  # the first orchestrator named is down: the CLI says so and goes on
+        out = cli("generate", prompt, "--orchestrator", f"{down},{orch_addr}", "--max-new-tokens", "16", "--json",
+                  "--no-chat-template")
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["token_ids"] == result["token_ids"]
+        assert f"orchestrator {down}: UNAVAILABLE" in out.stderr and f"trying {orch_addr}" in out.stderr
     finally:
         for proc in procs:
             proc.terminate()

@@ -228,10 +228,15 @@ def test_sdk_starts_on_the_second_orchestrator_when_the_first_is_down(target):
 
     with start_stack(target, []) as stack:
         down = f"127.0.0.1:{free_port()}"  # nothing listens there
-        client = Client([down, stack.address], reconnect_s=10)
+        told = []  # what the client tells its user while it reconnects
+        client = Client([down, stack.address], reconnect_s=10, on_reconnect=told.append)
         stream = client.generate(prompt_token_ids=PROMPT, max_new_tokens=20, resume=True)
         assert tokens_of(list(stream)) == hf_greedy(target.model, PROMPT, 20)
         assert stream.reconnects == 2  # a resume on the second (NOT_FOUND), then the start there
+        assert [(r.failed, r.code, r.next, r.attempt) for r in told] == [
+            (down, grpc.StatusCode.UNAVAILABLE, stack.address, 1),
+            (stack.address, grpc.StatusCode.NOT_FOUND, stack.address, 2)]
+        assert 9 < told[0].seconds_left <= 10
 
 
 def test_a_resumable_stream_cancelled_before_it_is_read_never_starts(target):
