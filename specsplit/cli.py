@@ -230,6 +230,7 @@ def _tell_reconnect(n_addresses: int):
 def serve(args) -> int:
     from specsplit import launch, tls
     from specsplit.config import VerifierConfig
+    from specsplit.serving import calls_in_flight
     from specsplit.telemetry import setup_telemetry
 
     setup_telemetry(f"specsplit-{args.service}")
@@ -277,7 +278,11 @@ def serve(args) -> int:
         parent = int(os.environ[launch.PARENT_PID_ENV])
         threading.Thread(target=_stop_when_orphaned, args=(parent, stop), daemon=True, name="parent-watch").start()
     stop.wait()
+    start = time.monotonic()
+    print(f"specsplit {args.service}: stopping: no new calls (health NOT_SERVING); {calls_in_flight()} in flight get up "
+          f"to {args.drain_s:g} s to finish (--drain-s), then are cut off", file=sys.stderr, flush=True)
     server.stop(grace=args.drain_s)
+    print(f"specsplit {args.service}: stopped after {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
     return 0
 
 

@@ -6,6 +6,7 @@ import collections
 import functools
 import inspect
 import logging
+import threading
 from concurrent import futures
 
 import grpc
@@ -33,6 +34,19 @@ CHANNEL_OPTIONS = [
 SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
+_in_flight = [0]  # this process's specsplit calls being answered (health checks and reflection not counted)
+_in_flight_lock = threading.Lock()
+
+
+def _count_in_flight(step: int) -> None:
+    with _in_flight_lock:
+        _in_flight[0] += step
+
+
+def calls_in_flight() -> int:
+    return _in_flight[0]
+
+
 def grpc_errors(method):
     """Map SpecSplitError to its gRPC status (the one place this happens); works on unary and stream methods. A
     downstream call's error that nothing handled (a verifier's or a draft's) keeps its status, named as downstream,
@@ -51,19 +65,25 @@ def grpc_errors(method):
 
         @functools.wraps(method)
         def stream(self, request, context):
+            _count_in_flight(1)
             try:
                 yield from method(self, request, context)
             except (SpecSplitError, grpc.RpcError) as err:
                 abort(context, err)
+            finally:
+                _count_in_flight(-1)
 
         return stream
 
     @functools.wraps(method)
     def unary(self, request, context):
+        _count_in_flight(1)
         try:
             return method(self, request, context)
         except (SpecSplitError, grpc.RpcError) as err:
             abort(context, err)
+        finally:
+            _count_in_flight(-1)
 
     return unary
 

@@ -19,5 +19,7 @@ def serve(*args, **env_vars) -> tuple[subprocess.Popen, str]:
                             stderr=subprocess.PIPE, text=True, env=env)
     line = proc.stderr.readline()
     assert "serving on" in line, line + proc.stderr.read()
-    threading.Thread(target=proc.stderr.read, daemon=True).start()  # a chatty child never blocks on a full pipe
+    proc.log = [line]  # its stderr, read to the end (a chatty child never blocks on a full pipe)
+    proc.log_reader = threading.Thread(target=lambda: proc.log.extend(proc.stderr), daemon=True)
+    proc.log_reader.start()
     return proc, line.rsplit(" ", 1)[1].strip()

@@ -172,6 +172,9 @@ def test_services_as_separate_processes(model_dir):
             proc.terminate()
         for proc in procs:
             assert proc.wait(timeout=20) == 0  # SIGTERM drains and exits cleanly
+    orch.log_reader.join(timeout=10)
+    log = "".join(orch.log)  # and says so
+    assert "stopping: no new calls (health NOT_SERVING); 0 in flight get up to 5 s" in log and "stopped after" in log
 
 
 def test_services_over_tls_with_client_certificates(model_dir, tmp_path):

@@ -1,0 +1,43 @@
+"""The calls a server counts as in flight (what a draining service reports)."""
+
+import grpc
+import pytest
+
+from specsplit.errors import Unavailable
+from specsplit.serving import calls_in_flight, grpc_errors
+
+
+class _Context:
+    def abort(self, code, details):
+        raise RuntimeError(f"{code.name}: {details}")  # as grpc's abort: it raises
+
+
+class _Servicer:
+    def __init__(self):
+        self.seen = []  # calls_in_flight() inside each call
+
+    @grpc_errors
+    def Unary(self, request, context):
+        self.seen.append(calls_in_flight())
+        if request == "fail":
+            raise Unavailable("down")
+        return request
+
+    @grpc_errors
+    def Stream(self, request, context):
+        self.seen.append(calls_in_flight())
+        yield 1
+        self.seen.append(calls_in_flight())
+
+
+def test_calls_count_in_flight_until_they_end_failed_or_not():
+    servicer, before = _Servicer(), calls_in_flight()
+    servicer.Unary("ok", _Context())
+    stream = servicer.Stream(None, _Context())
+    next(stream)  # a stream is in flight until it ends
+    servicer.Unary("ok", _Context())
+    with pytest.raises(RuntimeError, match=grpc.StatusCode.UNAVAILABLE.name):
+        servicer.Unary("fail", _Context())
+    list(stream)
+    assert [n - before for n in servicer.seen] == [1, 1, 2, 2, 1]
+    assert calls_in_flight() == before
