@@ -52,14 +52,22 @@ def grpc_errors(method):
     downstream call's error that nothing handled (a verifier's or a draft's) keeps its status, named as downstream,
     instead of becoming UNKNOWN (which a resuming client takes for a broken connection)."""
 
-    def abort(context, err: Exception):
+    def abort(context, err: Exception) -> None:
+        # The call ends with this status (set, not context.abort: that raises a bare Exception, which the tracing
+        # interceptor's span then shows as the error in place of the real one, recorded here).
         if isinstance(err, SpecSplitError):
-            context.abort(getattr(grpc.StatusCode, err.code_name), str(err))
-        code = err.code() if callable(getattr(err, "code", None)) else None
-        if not isinstance(code, grpc.StatusCode):
-            raise err
-        details = err.details() if callable(getattr(err, "details", None)) else str(err)
-        context.abort(code, f"a downstream call failed: {code.name}: {details}")
+            code, details = getattr(grpc.StatusCode, err.code_name), str(err)
+        else:
+            code = err.code() if callable(getattr(err, "code", None)) else None
+            if not isinstance(code, grpc.StatusCode):
+                raise err
+            details = err.details() if callable(getattr(err, "details", None)) else str(err)
+            details = f"a downstream call failed: {code.name}: {details}"
+        from opentelemetry import trace
+
+        trace.get_current_span().record_exception(err)
+        context.set_code(code)
+        context.set_details(details)
 
     if inspect.isgeneratorfunction(method):
 
@@ -88,10 +96,19 @@ def grpc_errors(method):
     return unary
 
 
+# Calls that are not traced: probes and tooling (a load balancer's health checks would each make a trace).
+UNTRACED_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
+                     "grpc.reflection.v1.ServerReflection")
+
+
+def _traced(method: str) -> bool:
+    return method.lstrip("/").split("/", 1)[0] not in UNTRACED_SERVICES
+
+
 def server_interceptors() -> list:
     from opentelemetry.instrumentation.grpc import server_interceptor
 
-    return [server_interceptor()]
+    return [server_interceptor(filter_=lambda details: _traced(details.method))]
 
 
 class _CallDetails(
@@ -110,12 +127,22 @@ class _ClientTracing(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInt
     plain generator, and an SDK user must be able to ``cancel()`` a stream.
     """
 
+    def __init__(self, address: str):
+        host, _, port = address.rpartition(":")
+        self._server = {"server.address": host.strip("[]")}
+        if port.isdigit():
+            self._server["server.port"] = int(port)
+
     def _start(self, details):
         from opentelemetry import propagate, trace
 
+        if not _traced(details.method):
+            return None, details
+        service, _, method = details.method.lstrip("/").partition("/")
         tracer = trace.get_tracer("specsplit.rpc")
-        span = tracer.start_span(details.method.lstrip("/"), kind=trace.SpanKind.CLIENT,
-                                 attributes={"rpc.system": "grpc", "rpc.method": details.method})
+        span = tracer.start_span(f"{service}/{method}", kind=trace.SpanKind.CLIENT,
+                                 attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method,
+                                             **self._server})
         metadata = list(details.metadata or [])
         carrier: dict[str, str] = {}
         propagate.inject(carrier, context=trace.set_span_in_context(span))
@@ -127,42 +154,36 @@ class _ClientTracing(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInt
     def _end(span, call):
         from opentelemetry.trace import Status, StatusCode
 
+        if span is None:
+            return
         code = call.code()
         span.set_attribute("rpc.grpc.status_code", code.value[0])
         if code != grpc.StatusCode.OK:
-            span.set_status(Status(StatusCode.ERROR, code.name))
+            span.set_status(Status(StatusCode.ERROR, f"{code.name}: {call.details()}"))
         span.end()
 
-    def intercept_unary_unary(self, continuation, details, request):
+    def _intercept(self, continuation, details, request):
         span, details = self._start(details)
         call = continuation(details, request)
         call.add_done_callback(lambda c: self._end(span, c))
         return call
 
-    def intercept_unary_stream(self, continuation, details, request):
-        span, details = self._start(details)
-        call = continuation(details, request)
-        call.add_done_callback(lambda c: self._end(span, c))
-        return call
-
-    def intercept_stream_stream(self, continuation, details, request_iterator):
-        span, details = self._start(details)
-        call = continuation(details, request_iterator)
-        call.add_done_callback(lambda c: self._end(span, c))
-        return call
+    intercept_unary_unary = intercept_unary_stream = intercept_stream_stream = _intercept
 
 
 def open_channel(address: str, tls: TLS | None = None) -> grpc.Channel:
     """A client channel with specsplit's options, propagating trace context on every call; TLS when ``tls``
     (default: this process's, ``specsplit.tls.configure``) has a CA."""
-    return grpc.intercept_channel(_channel(grpc, address, tls), _ClientTracing())
+    return grpc.intercept_channel(_channel(grpc, address, tls), _ClientTracing(address))
 
 
 def open_aio_channel(address: str, tls: TLS | None = None) -> grpc.aio.Channel:
     """``open_channel`` for asyncio clients (OpenTelemetry's aio interceptors carry the trace context)."""
     from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
-    return _channel(grpc.aio, address, tls, interceptors=aio_client_interceptors())
+    return _channel(grpc.aio, address, tls, interceptors=aio_client_interceptors(
+        filter_=lambda details: _traced(details.method if isinstance(details.method, str) else
+                                        details.method.decode())))
 
 
 def _channel(api, address: str, tls: TLS | None, **kwargs):

@@ -331,3 +331,39 @@ def test_generate_with_prometheus_metrics_starts_its_draft_process(model_dir):
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["token_ids"] == hf_greedy(loaded.model, result["prompt_token_ids"], 8)
+
+
+def test_failed_calls_show_their_error_and_health_checks_make_no_traces(target):
+    """A dashboard's view of a refused request: the server span of the Generate call carries the real error (not
+    the bare Exception grpc's abort raises), the client span its status and details and which server it called; a
+    load balancer's health checks (here one) make no spans at all."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from tiny import span_exporter
+
+    from specsplit.serving import open_channel
+
+    exporter = span_exporter()
+    with start_stack(target, []) as stack:
+        health = health_pb2_grpc.HealthStub(open_channel(stack.address))
+        assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+        try:
+            list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=-3))
+            raise AssertionError("not refused")
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    spans = exporter.get_finished_spans()
+    assert not [s for s in spans if "Health" in s.name]
+    (server,) = [s for s in spans if s.name.lstrip("/") == "specsplit.v1.OrchestratorService/Generate"
+                 and s.kind == trace.SpanKind.SERVER]
+    assert server.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]  # (the caller's
+    # fault: by the conventions not an error status on a server span)
+    assert [e.attributes["exception.type"] for e in server.events if e.name == "exception"] == [
+        "specsplit.errors.InvalidArgument"]
+    (client,) = [s for s in spans if s.name == "specsplit.v1.OrchestratorService/Generate"
+                 and s.kind == trace.SpanKind.CLIENT]
+    host, port = stack.address.rsplit(":", 1)
+    assert client.attributes["rpc.service"] == "specsplit.v1.OrchestratorService"
+    assert client.attributes["rpc.method"] == "Generate"
+    assert (client.attributes["server.address"], client.attributes["server.port"]) == (host, int(port))
+    assert "INVALID_ARGUMENT" in client.status.description and "max_new_tokens must be > 0" in client.status.description
