@@ -283,16 +283,21 @@ class Orchestrator(DraftMixin):
         cancelled = cancelled or threading.Event()
         info = self.verifier_info
         with tracer.start_as_current_span(f"specsplit.orchestrator.generate {info.model}") as span:
+            span.set_attributes({"gen_ai.operation.name": "text_completion", "gen_ai.request.model": info.model,
+                                 "specsplit.resumed": bool(request.resume_session_id)})
             started = None if request.resume_session_id else time.perf_counter()  # for a new one's first tokens
-            session = self._resume(request) if request.resume_session_id else self._start(request)
+            try:
+                session = self._resume(request) if request.resume_session_id else self._start(request)
+            except BaseException as err:  # refused (a bad request, at capacity, nothing to resume): no session
+                span.set_attribute("error.type", type(err).__qualname__)
+                meter.generations.add(1, {"finish_reason": "refused"})
+                raise
             state = session.state
             self._live[session.id] = session
-            span.set_attribute("gen_ai.operation.name", "generate")
-            span.set_attribute("gen_ai.request.model", info.model)
-            span.set_attribute("gen_ai.request.max_tokens", state.max_new_tokens)
-            span.set_attribute("gen_ai.conversation.id", session.id)
-            span.set_attribute("gen_ai.usage.input_tokens", len(state.prompt_token_ids))
-            span.set_attribute("specsplit.resumed", bool(request.resume_session_id))
+            before = (state.generated, state.rounds)  # (a resumed session's, made before this call)
+            span.set_attributes({"gen_ai.request.max_tokens": state.max_new_tokens, "gen_ai.conversation.id": session.id,
+                                 "gen_ai.usage.input_tokens": len(state.prompt_token_ids)})
+            ended = "unfinished"  # the client left, or a transient outage (a resumable session can be resumed)
             try:
                 if session.draft is not None and request.resume_session_id:  # (a new session's started in _start)
                     self._start_draft(session)
@@ -313,8 +318,9 @@ class Orchestrator(DraftMixin):
                         rounds.close()
             except (GeneratorExit, Unavailable, StaleRound):
                 raise  # the client left, or a transient outage: a resumable session stays resumable
-            except BaseException:
-                session.failed = True
+            except BaseException as err:
+                session.failed, ended = True, "error"
+                span.set_attribute("error.type", type(err).__qualname__)
                 raise
             finally:
                 try:
@@ -322,9 +328,11 @@ class Orchestrator(DraftMixin):
                 finally:
                     if self._live.get(session.id) is session:  # (a resume elsewhere in this process may own the id now)
                         del self._live[session.id]
-                meter.generations.add(1, {"finish_reason": state.finish_reason or "unfinished"})
-                span.set_attribute("gen_ai.usage.output_tokens", state.generated)
-                span.set_attribute("specsplit.rounds", state.rounds)
+                ended = state.finish_reason or ended
+                meter.generations.add(1, {"finish_reason": ended})
+                span.set_attributes({"gen_ai.response.finish_reasons": [ended],  # this call's tokens and rounds only
+                                     "gen_ai.usage.output_tokens": state.generated - before[0],
+                                     "specsplit.rounds": state.rounds - before[1]})
 
     @staticmethod
     def _announce(session: LiveSession) -> Chunk:

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
 
 from specsplit.rpc import chunk_from_pb, generate_request_to_pb
 from specsplit.serving import open_aio_channel, open_channel
@@ -28,6 +29,7 @@ from specsplit.tls import TLS
 from specsplit.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 GenerateChunk = Chunk
+tracer = trace.get_tracer(__name__)
 
 
 @dataclass(frozen=True)
@@ -86,13 +88,27 @@ class ResumableStream(GenerateStream):
         self.reconnects = 0
 
     def __iter__(self) -> Iterator[Chunk]:
+        # One span over every call of the generation: a resumed one stays one trace across orchestrators.
+        span = tracer.start_span("specsplit.client.generate", attributes={"gen_ai.conversation.id": self.session_id})
+        try:
+            yield from self._calls(span)
+        except Exception as err:
+            span.record_exception(err)
+            span.set_status(trace.Status(trace.StatusCode.ERROR, str(err)))
+            raise
+        finally:
+            span.set_attribute("specsplit.reconnects", self.reconnects)
+            span.end()
+
+    def _calls(self, span) -> Iterator[Chunk]:
         request, received, started = self._request, 0, False
         give_up_at = None
         delay, attempt = 0.05, 0
         while True:
             if self._cancelled:  # cancelled before the first call, or while reconnecting: nothing more comes
                 return
-            self._call = self._client._stub(self._index).Generate(request, timeout=self._timeout)
+            with trace.use_span(span, end_on_exit=False):
+                self._call = self._client._stub(self._index).Generate(request, timeout=self._timeout)
             try:
                 for msg in self._call:
                     chunk = chunk_from_pb(msg)

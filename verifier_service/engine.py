@@ -130,7 +130,7 @@ class TargetEngine(KVTransfer):
         work = PrefillWork(session, min(len(to_cache), self.config.prefill_chunk), session=session, token_ids=to_cache)
         try:
             with tracer.start_as_current_span("specsplit.verifier.prefill") as span:
-                span.set_attribute("gen_ai.usage.input_tokens", len(prompt_token_ids))
+                span.set_attribute("specsplit.prompt_tokens", len(prompt_token_ids))  # (also a failover's re-prefill)
                 result: PrefillResult = self._scheduler.submit(work).result()
                 if result.features is not None:
                     span.set_attribute("specsplit.feature_bytes", result.features.nbytes)

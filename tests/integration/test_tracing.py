@@ -360,6 +360,9 @@ def test_failed_calls_show_their_error_and_health_checks_make_no_traces(target):
     # fault: by the conventions not an error status on a server span)
     assert [e.attributes["exception.type"] for e in server.events if e.name == "exception"] == [
         "specsplit.errors.InvalidArgument"]
+    (refused,) = [s for s in spans if s.name.startswith("specsplit.orchestrator.generate")]
+    assert refused.attributes["error.type"] == "InvalidArgument"
+    assert refused.attributes["gen_ai.request.model"] == target.name
     (client,) = [s for s in spans if s.name == "specsplit.v1.OrchestratorService/Generate"
                  and s.kind == trace.SpanKind.CLIENT]
     host, port = stack.address.rsplit(":", 1)
