@@ -6,6 +6,7 @@ it likes (an n-gram index, a KV cache); the draft servicer only routes calls.
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from opentelemetry import trace
 
 from draft_service.ngram import NgramProposer
 from draft_service.rounds import (GrowthControl, GrowthRound, SpanAgreement, draft_sampling, grow_top_tree,
@@ -59,6 +61,7 @@ class _ModelSession:
     spans: SpanAgreement = field(default_factory=SpanAgreement)  # how much of its copied spans the draft agreed with
 
 
+tracer = trace.get_tracer(__name__)
 PREFILL_MIN_TOKENS = 4  # forwards of this many tokens or more (prompts, copied spans) go through prefill_model
 REUSE_MIN_TOKENS = 8  # a new prompt starting with at least this many of an ended session's tokens reuses its cache
 # A new session's prefill waits at most this long for the ended session's last round to let go of the cache it may
@@ -111,7 +114,9 @@ class ModelProposer:
         with self._ended_lock:
             ended, self._ended = self._ended, None
         if prompt_token_ids:
-            session.warming = self._prefills.submit(self._warm, session, list(prompt_token_ids), ended)
+            # (in the caller's context: the prefill's span belongs to the session's trace)
+            session.warming = self._prefills.submit(contextvars.copy_context().run, self._warm, session,
+                                                    list(prompt_token_ids), ended)
         self._sessions[session_id] = session
 
     def _session(self, session_id: str) -> _ModelSession:
@@ -124,11 +129,15 @@ class ModelProposer:
     def _warm(self, session: _ModelSession, prompt: list[int], ended) -> torch.Tensor:
         """A new session's prompt prefill: from the latest ended session's cache when the prompt continues it (its
         last round done with it), else from scratch."""
-        if ended is not None:
-            old, idle = ended  # (read once its round is done: until then its cache and tokens may still change)
-            if idle.wait(REUSE_WAIT_S) and kvcache.common_length(old.cached, prompt) >= REUSE_MIN_TOKENS:
-                session.cached, session.cache = old.cached, old.cache  # (the catch-up cuts it to the common start)
-        return self._catch_up(session, prompt)
+        with tracer.start_as_current_span("specsplit.draft.prefill") as span:
+            span.set_attribute("specsplit.prompt_tokens", len(prompt))
+            if ended is not None:
+                old, idle = ended  # (read once its round is done: until then its cache and tokens may still change)
+                common = kvcache.common_length(old.cached, prompt) if idle.wait(REUSE_WAIT_S) else 0
+                if common >= REUSE_MIN_TOKENS:
+                    session.cached, session.cache = old.cached, old.cache  # (the catch-up cuts it to the common start)
+                    span.set_attribute("specsplit.reused_tokens", common)
+            return self._catch_up(session, prompt)
 
     def end(self, session_id: str, idle: threading.Event | None = None) -> None:
         session = self._sessions.pop(session_id, None)

@@ -23,7 +23,7 @@ from specsplit.errors import FailedPrecondition, InvalidArgument
 from specsplit.growth import GrowingTree, best_leaf
 from specsplit.lookup import LOOKUP_PROB, SpanLookup, span_hits, use_bridge, use_span
 from specsplit.provisional import follows, reconcile_provisional
-from specsplit.rpc import DraftInfo, RpcError
+from specsplit.rpc import DraftInfo, RpcError, StatusCode
 from specsplit.tree import TokenTree, branch_below, union_trees
 
 log = logging.getLogger("orchestrator.generation")
@@ -286,7 +286,7 @@ class DraftMixin:
                 stream.close()
                 stream = None
                 tree = GrowingTree()
-                self._draft_failed(session, err if isinstance(err, RpcError) else "DEADLINE_EXCEEDED")
+                self._draft_failed(session, err if isinstance(err, RpcError) else StatusCode.DEADLINE_EXCEEDED)
         draft_ms = (time.perf_counter() - started) * 1e3
         leaf = best_leaf(tree)  # provisional drafting continues the branch ending here
         if stream is not None:
@@ -353,7 +353,7 @@ class DraftMixin:
         code = err.code() if hasattr(err, "code") else err
         log.warning("draft %s failed for session %s (%s); target-only decoding for %d rounds",
                     session.draft.address, session.id, code, self.config.draft_retry_rounds)
-        trace.get_current_span().add_event("specsplit.draft_fallback", {"grpc.status": str(code)})
+        trace.get_current_span().add_event("specsplit.draft_fallback", {"rpc.grpc.status_code": code.value[0]})
         session.state.draft_down_until = session.state.round + self.config.draft_retry_rounds
 
     def _restart_draft(self, session: LiveSession) -> None:

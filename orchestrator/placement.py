@@ -248,11 +248,13 @@ class KvPlacement:
                 span = trace.get_current_span()
                 if code in DOWN:
                     self.replicas.mark_down(replica, f"{code.name} during Verify")
-                    span.add_event("specsplit.failover", {"specsplit.replica": replica.address, "grpc.status": code.name})
+                    span.add_event("specsplit.failover", {"specsplit.replica": replica.address,
+                                                               "rpc.grpc.status_code": code.value[0]})
                     self.forget(session)  # (no longer counted on the replica that failed)
                     self.restore(session)
                 elif code in OUT_OF_STEP:
-                    span.add_event("specsplit.rebuild", {"specsplit.replica": replica.address, "grpc.status": code.name})
+                    span.add_event("specsplit.rebuild", {"specsplit.replica": replica.address,
+                                                               "rpc.grpc.status_code": code.value[0]})
                     self.restore(session, prefer=replica)
                 else:
                     raise

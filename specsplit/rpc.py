@@ -399,4 +399,4 @@ class TreeStream:
         self._requests.put(None)
 
 
-RpcError = grpc.RpcError
+RpcError, StatusCode = grpc.RpcError, grpc.StatusCode  # (for callers that keep grpc out of their imports)

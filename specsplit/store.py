@@ -18,9 +18,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Protocol
 
+from opentelemetry import trace
+
 from specsplit.errors import FailedPrecondition, InvalidArgument, StaleRound, Unavailable
 from specsplit.sampling import SamplingParams
 
+tracer = trace.get_tracer(__name__)
 RUNNING, DETACHED, FINISHED, CANCELLED = "running", "detached", "finished", "cancelled"
 TERMINAL = (FINISHED, CANCELLED)
 
@@ -223,23 +226,28 @@ class RedisStore:
     def _key(self, kind: str, session_id: str) -> str:
         return f"{self.prefix}:{kind}:{session_id}"
 
-    def _call(self, fn):
+    def _call(self, operation: str, fn):
+        """fn() against Redis, retried while Redis is unreachable; a CLIENT span per operation (its retries as an
+        attribute: a round's time in the store shows in its trace)."""
         deadline = time.monotonic() + self.retry_s
-        delay = 0.05
-        while True:
-            try:
-                return fn()
-            except self._errors as err:
-                if time.monotonic() + delay > deadline:
-                    raise Unavailable(f"session store {self.url} is unreachable: {err}") from None
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
+        delay, retries = 0.05, 0
+        with tracer.start_as_current_span(f"specsplit.store.{operation}", kind=trace.SpanKind.CLIENT,
+                                          attributes={"db.system.name": "redis", "db.operation.name": operation}) as span:
+            while True:
+                try:
+                    return fn()
+                except self._errors as err:
+                    if time.monotonic() + delay > deadline:
+                        raise Unavailable(f"session store {self.url} is unreachable: {err}") from None
+                    time.sleep(delay)
+                    delay, retries = min(delay * 2, 1.0), retries + 1
+                    span.set_attribute("specsplit.retries", retries)
 
     def _ttl_ms(self, state: SessionState) -> int:
         return int(1000 * (self.config.finished_ttl_s if state.status in TERMINAL else self.config.ttl_s))
 
     def _write(self, state: SessionState, expected_round: int) -> tuple[bool, int]:
-        ok, stored = self._call(lambda: self._cas(keys=[self._key("session", state.session_id)],
+        ok, stored = self._call("write", lambda: self._cas(keys=[self._key("session", state.session_id)],
                                                   args=[expected_round, state.round, state.to_json(),
                                                         self._ttl_ms(state)]))
         return bool(ok), int(stored)
@@ -251,7 +259,7 @@ class RedisStore:
                                      "(resume_session_id) or use a new session id")
 
     def load(self, session_id: str) -> SessionState | None:
-        raw = self._call(lambda: self._redis.hget(self._key("session", session_id), "state"))
+        raw = self._call("load", lambda: self._redis.hget(self._key("session", session_id), "state"))
         return SessionState.from_json(raw) if raw is not None else None
 
     def commit(self, state: SessionState) -> None:
@@ -260,7 +268,7 @@ class RedisStore:
             raise StaleRound(state.session_id, state.round - 1, stored)
 
     def delete(self, session_id: str) -> None:
-        self._call(lambda: self._redis.delete(self._key("session", session_id), self._key("kv", session_id)))
+        self._call("delete", lambda: self._redis.delete(self._key("session", session_id), self._key("kv", session_id)))
 
     def put_kv(self, session_id: str, committed_length: int, blob: bytes) -> None:
         key = self._key("kv", session_id)
@@ -271,17 +279,17 @@ class RedisStore:
             pipe.pexpire(key, int(1000 * self.config.ttl_s))
             pipe.execute()
 
-        self._call(put)
+        self._call("put_kv", put)
 
     def get_kv(self, session_id: str) -> tuple[int, bytes] | None:
-        length, blob = self._call(lambda: self._redis.hmget(self._key("kv", session_id), ["length", "data"]))
+        length, blob = self._call("get_kv", lambda: self._redis.hmget(self._key("kv", session_id), ["length", "data"]))
         return None if blob is None else (int(length), bytes(blob))
 
     def drop_kv(self, session_id: str) -> None:
-        self._call(lambda: self._redis.delete(self._key("kv", session_id)))
+        self._call("drop_kv", lambda: self._redis.delete(self._key("kv", session_id)))
 
     def ping(self) -> bool:
-        return bool(self._call(self._redis.ping))
+        return bool(self._call("ping", self._redis.ping))
 
 
 def open_store(url: str | None, config: StoreConfig | None = None) -> SessionStore:

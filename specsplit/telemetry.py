@@ -4,6 +4,7 @@
 - OTEL_METRICS_EXPORTER: the same choices, for ``specsplit.metrics``; OTEL_METRIC_EXPORT_INTERVAL (ms, default
   60000) is how often they are sent; or "prometheus" (needs opentelemetry-exporter-prometheus): served for scraping
   at http://OTEL_EXPORTER_PROMETHEUS_HOST:OTEL_EXPORTER_PROMETHEUS_PORT/metrics (default localhost:9464)
+- OTEL_SDK_DISABLED=true: none of the above, whatever they say
 - OTEL_SERVICE_NAME: overrides the service name a process passes in
 - OTEL_EXPORTER_OTLP_PROTOCOL (or OTEL_EXPORTER_OTLP_TRACES_PROTOCOL / _METRICS_PROTOCOL): grpc (default) or
   http/protobuf; OTEL_EXPORTER_OTLP_ENDPOINT and friends: read by the OTLP exporters themselves
@@ -22,7 +23,9 @@ _configured: set[str] = set()
 
 
 def setup_telemetry(service_name: str) -> None:
-    """Tracing and metrics for this process, as the OTEL_* variables ask."""
+    """Tracing and metrics for this process, as the OTEL_* variables ask (none with OTEL_SDK_DISABLED=true)."""
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return
     setup_tracing(service_name)
     setup_metrics(service_name)
 

@@ -177,3 +177,21 @@ def test_open_store():
     assert isinstance(open_store("redis://127.0.0.1:1/0"), RedisStore)  # connects lazily
     with pytest.raises(Exception, match="unknown session store URL"):
         open_store("mysql://x")
+
+
+def test_each_redis_operation_is_a_span_with_its_retries(redis_server):
+    """A round's time in the store shows in its trace: a CLIENT span per Redis operation."""
+    from opentelemetry import trace
+    from tiny import span_exporter
+
+    exporter = span_exporter()
+    store = RedisStore(redis_server.url, prefix=f"test-{uuid.uuid4().hex[:8]}")
+    state = new_state()
+    store.create(state)
+    state.round = 2
+    store.commit(state)
+    assert store.load(state.session_id) == state
+    spans = [s for s in exporter.get_finished_spans() if s.name.startswith("specsplit.store.")]
+    exporter.shutdown()
+    assert [s.name for s in spans] == ["specsplit.store.write", "specsplit.store.write", "specsplit.store.load"]
+    assert all(s.kind == trace.SpanKind.CLIENT and s.attributes["db.system.name"] == "redis" for s in spans)

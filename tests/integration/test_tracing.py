@@ -333,6 +333,23 @@ def test_generate_with_prometheus_metrics_starts_its_draft_process(model_dir):
     assert result["token_ids"] == hf_greedy(loaded.model, result["prompt_token_ids"], 8)
 
 
+def test_otel_sdk_disabled_turns_every_exporter_off():
+    """OTEL_SDK_DISABLED=true: no exporter starts, whatever the other variables say (a taken Prometheus port made
+    the service exit)."""
+    import socket
+
+    from processes import serve
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        proc, _ = serve("draft", "--draft", "ngram", OTEL_SDK_DISABLED="true", OTEL_METRICS_EXPORTER="prometheus",
+                        OTEL_TRACES_EXPORTER="console", OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1",
+                        OTEL_EXPORTER_PROMETHEUS_PORT=str(taken.getsockname()[1]))
+        proc.terminate()
+        assert proc.wait(timeout=20) == 0
+
+
 def test_failed_calls_show_their_error_and_health_checks_make_no_traces(target):
     """A dashboard's view of a refused request: the server span of the Generate call carries the real error (not
     the bare Exception grpc's abort raises), the client span its status and details and which server it called; a
@@ -370,3 +387,21 @@ def test_failed_calls_show_their_error_and_health_checks_make_no_traces(target):
     assert client.attributes["rpc.method"] == "Generate"
     assert (client.attributes["server.address"], client.attributes["server.port"]) == (host, int(port))
     assert "INVALID_ARGUMENT" in client.status.description and "max_new_tokens must be > 0" in client.status.description
+
+
+def test_the_draft_s_prompt_prefill_is_a_span_of_the_session_s_trace(target):
+    """The draft prefills a new prompt in the background; its span is in the generation's trace (it was missing, and
+    a first round's wait for it showed unexplained)."""
+    from tiny import span_exporter, tiny_loaded
+
+    from draft_service.proposers import ModelProposer
+
+    exporter = span_exporter()
+    with start_stack(target, [ModelProposer(tiny_loaded(seed=3), DraftConfig())]) as stack:
+        list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=8))
+    spans = exporter.get_finished_spans()
+    exporter.shutdown()
+    (gen,) = [s for s in spans if s.name.startswith("specsplit.orchestrator.generate")]
+    (prefill,) = [s for s in spans if s.name == "specsplit.draft.prefill"]
+    assert prefill.context.trace_id == gen.context.trace_id
+    assert prefill.attributes["specsplit.prompt_tokens"] == len(PROMPT)
