@@ -87,6 +87,24 @@ def _refuse_stack_flags(args) -> None:
                               "belong on `specsplit serve orchestrator|draft|verifier`")
 
 
+# the draft flags each drafter reads (--draft auto may pick any of them); another drafter would ignore them
+DRAFT_FLAG_USERS = {"draft_model": ("auto", "model"), "draft_artifact": ("auto", "eagle", "eagle+ngram"),
+                    "medusa": ("auto", "medusa", "medusa+ngram"),
+                    "draft_dtype": ("auto", "model", "half", "half+ngram")}
+
+
+def _refuse_unused_draft_flags(args) -> None:
+    """A draft flag given to a drafter that does not read it (a typo'd --draft?) is refused, not ignored."""
+    from specsplit.errors import InvalidArgument
+
+    defaults = build_parser().parse_args(["generate", ""])
+    for name, users in DRAFT_FLAG_USERS.items():
+        if getattr(args, name) != getattr(defaults, name) and args.draft not in users:
+            flag = f"--{name.replace('_', '-')}"
+            raise InvalidArgument(f"{flag} is for --draft {' or '.join(u for u in users if u != 'auto')} (or auto); "
+                                  f"--draft {args.draft} does not use it")
+
+
 def _quiet_transformers() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -118,6 +136,7 @@ def generate(args) -> int:
             raise InvalidArgument("--tls-* flags are for a remote --orchestrator (the embedded stack talks over loopback)")
         if args.draft == "model" and not args.draft_model:
             raise InvalidArgument("--draft model needs --draft-model PATH (a small model with the target's tokenizer)")
+        _refuse_unused_draft_flags(args)
         from specsplit.launch import DraftProcess, default_proposers, load_model, start_stack
 
         from specsplit.launch import auto_draft
@@ -153,7 +172,8 @@ def generate(args) -> int:
     finish = ""
     try:
         addresses = _addresses(address)
-        with Client(addresses, tls=tls, on_reconnect=_tell_reconnect(len(addresses))) as client:
+        with Client(addresses, timeout=args.timeout or None, tls=tls,
+                    on_reconnect=_tell_reconnect(len(addresses))) as client:
             start = time.perf_counter()
             stream = client.generate(args.prompt, max_new_tokens=args.max_new_tokens, stop=args.stop,
                                      draft=args.draft, chat_template=not args.no_chat_template,
@@ -183,6 +203,9 @@ def generate(args) -> int:
             elapsed = time.perf_counter() - start
     except grpc.RpcError as err:
         print(f"\nspecsplit: error: {err.code().name}: {err.details()}", file=sys.stderr)
+        if err.code() == grpc.StatusCode.UNAVAILABLE and tls is not None and not tls.calls and \
+                "Connection refused" not in (err.details() or ""):  # (it answered, then hung up: a TLS server?)
+            print("specsplit: if the orchestrator serves TLS, pass --tls-ca (see --help)", file=sys.stderr)
         return 2 if err.code() == grpc.StatusCode.INVALID_ARGUMENT else 1  # (2: the request itself was bad)
     finally:
         if stack is not None:
@@ -230,10 +253,11 @@ def _tell_reconnect(n_addresses: int):
 def serve(args) -> int:
     from specsplit import launch, tls
     from specsplit.config import VerifierConfig
-    from specsplit.serving import calls_in_flight
+    from specsplit.serving import calls_in_flight, check_can_listen
     from specsplit.telemetry import setup_telemetry
 
     setup_telemetry(f"specsplit-{args.service}")
+    check_can_listen(args.listen)  # (before a model loads for seconds)
     own = tls.TLS.from_env(cert=args.tls_cert, key=args.tls_key, ca=getattr(args, "tls_ca", None),
                            client_ca=args.tls_client_ca)
     tls.configure(own.for_calls() if args.service == "orchestrator" else own.checked())
@@ -267,6 +291,10 @@ def serve(args) -> int:
         store = open_store(args.redis_url)
         if isinstance(store, RedisStore):
             store.retry_s = args.store_retry_s
+            why = store.unreachable()
+            if why:  # (serving anyway: it may come up; until then generations fail with UNAVAILABLE)
+                print(f"specsplit orchestrator: warning: session store {args.redis_url} does not answer ({why}); "
+                      "generations fail with UNAVAILABLE until it does", file=sys.stderr, flush=True)
         server = launch.start_orchestrator(verifiers, _addresses(args.drafts), launch.load_tokenizer(args.target_model),
                                            args.listen, _tree_config(args), store)
     secure = " (TLS)" if server.tls else ""  # the address stays the line's last word

@@ -48,8 +48,45 @@ serves grpc.health.v1 and reflection. `specsplit serve SERVICE --help` lists tha
 DRAFTS = ["auto", "ngram", "model", "half", "half+ngram", "eagle", "eagle+ngram", "medusa", "medusa+ngram", "none"]
 
 
+_VARIABLES: set[str] = set()  # the SPECSPLIT_* variables flags read their defaults from
+
+
 def _env(name: str, default: str | None = None) -> str | None:
+    """A flag's default from its variable, ``SPECSPLIT_`` + the flag's name (``--idle-timeout``:
+    ``SPECSPLIT_IDLE_TIMEOUT``); ``_name_variables`` then says so in the flag's help and errors."""
+    _VARIABLES.add(name)
     return os.environ.get(name, default)
+
+
+def _name_variables(parser: argparse.ArgumentParser) -> None:
+    """Each flag that reads a variable names it in its --help, and in the error a bad value of it gets."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in {id(p): p for p in action.choices.values()}.values():
+                _name_variables(sub)
+            continue
+        if not action.option_strings:
+            continue
+        variable = "SPECSPLIT_" + action.option_strings[-1].lstrip("-").upper().replace("-", "_")
+        if variable not in _VARIABLES:
+            continue
+        if variable not in (action.help or ""):
+            action.help = f"{action.help} [env {variable}]"
+        if action.type is not None:
+            action.type = _naming(action.type, variable)
+
+
+def _naming(convert, variable: str):
+    """An argparse type whose error on a value that came from ``variable`` says so."""
+    def parse(text: str):
+        try:
+            return convert(text)
+        except argparse.ArgumentTypeError as err:
+            if os.environ.get(variable) == text:
+                raise argparse.ArgumentTypeError(f"{err} (from {variable})") from None
+            raise
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,11 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
     parser.add_argument("--version", action="version", version=f"specsplit {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve}")
 
     gen = sub.add_parser("generate", help="generate text for a prompt and print speed statistics",
-                         description="Generate text. With no --orchestrator, starts draft, verifier and orchestrator "
-                                     "in this process on loopback ports (real gRPC).")
+                         description="Generate text. With no --orchestrator, starts verifier and orchestrator in "
+                                     "this process on loopback ports (real gRPC), and the draft: n-gram lookup in this "
+                                     "process, a model draft (half, model; SmolLM2's auto is half+ngram) in a child "
+                                     "process that ends with this one.")
     _verbose_flag(gen)
     gen.add_argument("prompt", help="the prompt (goes through the chat template unless --no-chat-template)")
     gen.add_argument("--max-new-tokens", type=_at_least(1), default=256, help="tokens to generate at most (default 256)")
@@ -94,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--orchestrator", type=_address_list, default=_env("SPECSPLIT_ORCHESTRATOR"),
                      help="HOST:PORT of a running orchestrator; skips the embedded stack. Several, comma-separated "
                           "(sharing a --redis-url store): the generation resumes on another one if one fails")
+    gen.add_argument("--timeout", type=_at_least(0, float), default=600.0,
+                     help="deadline of the whole generation in seconds (default 600; 0: none): past it the call "
+                          "ends with DEADLINE_EXCEEDED")
     _model_flags(gen)
     _draft_flags(gen)
     _tree_flags(gen)
@@ -132,7 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "instead of computing them, and prompts arriving together share their common start "
                                "(default 2048; a token costs 2 x layers x KV heads x head size x dtype bytes, SmolLM2 "
                                "in float32 46 KB; 0: off, every prompt computed whole)")
-    batching.add_argument("--max-tree-nodes", type=_at_least(1), default=64, help="largest tree a Verify may send (default 64)")
+    batching.add_argument("--max-tree-nodes", type=_at_least(1), default=64,
+                          help="largest tree a Verify may send (default 64; orchestrators cut their trees to it, "
+                               "whatever their own --tree-max-nodes)")
     batching.add_argument("--hf-forward", action="store_true",
                           help="run batched forwards through the model's own Hugging Face forward (module "
                                "hooks fire) instead of the lean forward a Llama-architecture target gets by default "
@@ -156,7 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="--draft eagle: artifact directory (default: the shipped one for --target-model)")
     draft.add_argument("--target-model", default=_env("SPECSPLIT_TARGET_MODEL"),
                        help="the target model (half, eagle; env SPECSPLIT_TARGET_MODEL; default: SmolLM2-135M-Instruct)")
-    draft.add_argument("--max-tree-nodes", type=_at_least(1), default=64, help="largest tree (default 64)")
+    draft.add_argument("--max-tree-nodes", type=_at_least(1), default=64,
+                       help="largest tree it drafts (default 64; the orchestrator's --tree-max-nodes is the size "
+                            "it asks for, cut to this and to the verifier's --max-tree-nodes)")
     _idle_flag(draft)
     _model_flags(draft)
     _draft_flags(draft)
@@ -174,8 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="comma-separated HOST:PORT of verifier replicas (env SPECSPLIT_VERIFIERS); a session "
                            "moves to another replica when its replica dies")
     orch.add_argument("--drafts", type=_address_list, default=_env("SPECSPLIT_DRAFTS", ""),
-                      help="comma-separated HOST:PORT of draft services, 'auto' preference first (env "
-                           "SPECSPLIT_DRAFTS; empty: target-only)")
+                      help="comma-separated HOST:PORT of draft services; a session asking --draft auto gets the first "
+                           "that answers, one asking a named drafter the first serving it (env SPECSPLIT_DRAFTS; "
+                           "empty: target-only)")
     orch.add_argument("--target-model", default=_env("SPECSPLIT_TARGET_MODEL"),
                       help="the target model, for its tokenizer and chat template (env SPECSPLIT_TARGET_MODEL; "
                            "default: SmolLM2-135M-Instruct)")
@@ -190,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "RESOURCE_EXHAUSTED, to retry later or elsewhere (env SPECSPLIT_MAX_STREAMS; default 256)")
     _tree_flags(orch)
     _tls_flags(orch, serves=True, calls=True)
+    _name_variables(parser)
     return parser
 
 
@@ -219,21 +267,22 @@ def _probability(text: str) -> float:
     return value
 
 
-def _address(text: str) -> str:
+def _address(text: str, listen: bool = True) -> str:
     from specsplit.errors import InvalidArgument
     from specsplit.serving import check_address
 
     try:
-        return check_address(text)
+        return check_address(text, listen)
     except InvalidArgument as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _address_list(text: str) -> str:
-    """A comma-separated list of HOST:PORT addresses (each checked: a typo fails at start, not at the first call)."""
+    """A comma-separated list of HOST:PORT addresses to call (each checked: a typo fails at start, not at the first
+    call)."""
     for address in (a.strip() for a in text.split(",")):
         if address:
-            _address(address)
+            _address(address, listen=False)
     return text
 
 
@@ -303,7 +352,8 @@ def _tree_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--fixed-tree-nodes", type=_at_least(1), default=d.fixed_tree_nodes,
                        help=f"--trigger fixed: tree size (default {d.fixed_tree_nodes})")
     group.add_argument("--tree-max-nodes", type=_at_least(1), default=d.tree_max_nodes,
-                       help=f"largest streamed tree (default {d.tree_max_nodes})")
+                       help=f"largest tree a round sends for verification (default {d.tree_max_nodes}; cut to the "
+                            "verifier's and the draft's --max-tree-nodes)")
     group.add_argument("--provisional-max", type=_at_least(0), default=d.provisional_max,
                        help=f"provisional tokens drafted during a verification (default {d.provisional_max}; 0: off)")
     burst = parser.add_argument_group(
@@ -321,7 +371,7 @@ def _burst_max(text: str) -> int:
     from specsplit.config import VerifierConfig
 
     most = VerifierConfig().max_decode_steps + 1
-    value = int(text)
+    value = _at_least(-math.inf)(text)  # (an integer; the range is checked below)
     if not 1 <= value <= most:
         raise argparse.ArgumentTypeError(f"must be 1..{most} (a verifier decodes at most {most - 1} more tokens "
                                          f"alone per request), got {value}")
@@ -333,7 +383,8 @@ def _draft_flags(parser: argparse.ArgumentParser) -> None:
 
     group = parser.add_argument_group("model drafts (draft service, or the embedded stack; --draft model, half or eagle)")
     group.add_argument("--draft-dtype", type=_draft_dtype, default=_env("SPECSPLIT_DRAFT_DTYPE"),
-                       help="the draft model's dtype (--draft model or half): default for half: whichever of float16, "
+                       help="the draft model's dtype (--draft model or half): auto, float16, bfloat16, float32 (or "
+                            "fp16, bf16, fp32), int8, int4. Default for half: whichever of float16, "
                             "bfloat16, float32 and (on a CPU) int8 and int4 weights runs a draft step fastest on this "
                             "machine, timed at start (int8: one scale per weight row, ~2%% fewer tokens agreeing; int4: "
                             "groups of 32, the head's best ids scored exactly, ~0.5%% fewer; quantized ones must be "

@@ -6,6 +6,7 @@ import collections
 import functools
 import inspect
 import logging
+import socket
 import threading
 from concurrent import futures
 
@@ -194,12 +195,30 @@ def _channel(api, address: str, tls: TLS | None, **kwargs):
     return api.insecure_channel(address, options=CHANNEL_OPTIONS, **kwargs)
 
 
-def check_address(address: str) -> str:
-    """HOST:PORT with a port in 0..65535 (0: any free port); a bracketed IPv6 host is fine."""
+def check_address(address: str, listen: bool = True) -> str:
+    """HOST:PORT with a port in 0..65535 to listen on (0: any free port), 1..65535 to call; a bracketed IPv6 host is
+    fine."""
     host, sep, port = address.rpartition(":")
-    if not (sep and host and port.isdigit() and int(port) <= 65535):
-        raise InvalidArgument(f"not a HOST:PORT address (port 0-65535, 0: any free port): {address!r}")
+    if not (sep and host and port.isdigit() and (0 if listen else 1) <= int(port) <= 65535):
+        ports = "port 0-65535, 0: any free port" if listen else "port 1-65535"
+        raise InvalidArgument(f"not a HOST:PORT address ({ports}): {address!r}")
     return address
+
+
+def check_can_listen(address: str) -> None:
+    """Unavailable if this host cannot listen on ``address`` now (a port in use, a foreign address): a server checks
+    before loading its model, not after."""
+    host, _, port = check_address(address).rpartition(":")
+    if int(port) == 0:
+        return
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as gRPC binds)
+            probe.bind(sockaddr)
+    except OSError as err:
+        raise Unavailable(f"could not listen on {address}: {err.strerror or err}") from None
 
 
 class Server:

@@ -291,6 +291,14 @@ class RedisStore:
     def ping(self) -> bool:
         return bool(self._call("ping", self._redis.ping))
 
+    def unreachable(self) -> str | None:
+        """Why Redis does not answer now (one try, no retries), or None if it does."""
+        try:
+            self._redis.ping()
+        except self._errors as err:
+            return str(err)
+        return None
+
 
 def open_store(url: str | None, config: StoreConfig | None = None) -> SessionStore:
     """``None``/"" or "memory://": in this process; "redis://host:port/db": shared through Redis."""

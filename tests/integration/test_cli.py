@@ -113,14 +113,22 @@ def test_each_service_has_its_own_flags():
     assert wrong.returncode == 2 and "unrecognized arguments: --max-batch" in wrong.stderr
     missing = cli("serve")
     assert missing.returncode == 2 and "verifier,draft,orchestrator" in missing.stderr
+    assert "required: {generate,serve}" in cli().stderr
+    # every flag read from a variable names it
+    assert "[env SPECSPLIT_IDLE_TIMEOUT]" in helps["draft"] and "[env SPECSPLIT_DRAFT_DTYPE]" in helps["draft"]
+    assert "[env SPECSPLIT_STORE_RETRY_S]" in helps["orchestrator"] and "[env SPECSPLIT_THREADS]" in helps["verifier"]
 
 
 @pytest.mark.parametrize("args, words", [
     (("serve", "draft", "--listen", "127.0.0.1:99999"), "not a HOST:PORT address"),
     (("serve", "draft", "--listen", "garbage"), "not a HOST:PORT address"),
     (("serve", "orchestrator", "--verifier", "nonsense"), "not a HOST:PORT address"),
-    (("serve", "orchestrator", "--verifier", "v:1", "--drafts", "d:1,oops"), "free port): 'oops'"),
-    (("generate", "hi", "--orchestrator", "a:1,b"), "free port): 'b'"),
+    (("serve", "orchestrator", "--verifier", "v:1", "--drafts", "d:1,oops"), "(port 1-65535): 'oops'"),
+    (("generate", "hi", "--orchestrator", "a:1,b"), "(port 1-65535): 'b'"),
+    (("generate", "hi", "--orchestrator", "127.0.0.1:0"), "(port 1-65535): '127.0.0.1:0'"),  # nothing to call
+    (("generate", "hi", "--burst-max", "abc"), "--burst-max: not an integer: 'abc'"),
+    (("generate", "hi", "--draft", "ngram", "--draft-model", "/nowhere"), "--draft ngram does not use it"),
+    (("generate", "hi", "--draft", "none", "--medusa", "/nowhere"), "--medusa is for --draft medusa or medusa+ngram"),
     (("generate", "hi", "--draft", "half", "--draft-dtype", "float64"), "choose one of auto, bf16"),
     (("serve", "verifier", "--prefill-chunk", "0"), "--prefill-chunk: must be >= 1"),
     (("generate", "hi", "--threads", "-1"), "--threads: must be >= 0"),
@@ -141,7 +149,33 @@ def test_bad_flags_fail_fast_with_one_line(args, words):
 
 def test_bad_variables_are_flag_errors():
     out = cli("serve", "draft", SPECSPLIT_IDLE_TIMEOUT="5m")
-    assert out.returncode == 2 and "--idle-timeout: not a number: '5m'" in out.stderr
+    assert out.returncode == 2 and "--idle-timeout: not a number: '5m' (from SPECSPLIT_IDLE_TIMEOUT)" in out.stderr
+
+
+def test_an_orchestrator_says_when_its_session_store_does_not_answer():
+    """It serves anyway (Redis may come up later) but says so at start, not at the first generation's failure."""
+    env = dict(os.environ, SPECSPLIT_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "specsplit.cli", "serve", "orchestrator", "--verifier",
+                             "127.0.0.1:1", "--redis-url", f"redis://127.0.0.1:{free_port()}/0", "--listen",
+                             "127.0.0.1:0"], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        warning, serving = proc.stderr.readline(), proc.stderr.readline()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    assert "does not answer" in warning and "generations fail with UNAVAILABLE until it does" in warning
+    assert "serving on" in serving
+
+
+def test_a_busy_port_fails_before_the_model_loads():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        out = cli("serve", "verifier", "--listen", address, "--target-model", "/nowhere")  # (never loaded)
+    assert out.returncode == 2 and f"could not listen on {address}: Address already in use" in out.stderr, out.stderr
 
 
 def test_services_as_separate_processes(model_dir):
@@ -196,7 +230,7 @@ def test_services_over_tls_with_client_certificates(model_dir, tmp_path):
         procs.append(orch)
         args = ("generate", "abcabcabcabc", "--max-new-tokens", "12", "--json", "--no-chat-template")
         out = cli(*args, "--orchestrator", orch_addr)  # plaintext
-        assert out.returncode != 0 and "UNAVAILABLE" in out.stderr
+        assert out.returncode != 0 and "UNAVAILABLE" in out.stderr and "pass --tls-ca" in out.stderr
         out = cli(*args, "--orchestrator", orch_addr, "--tls-ca", pki["other.pem"])  # a root that did not sign it
         assert out.returncode != 0 and "CERTIFICATE_VERIFY_FAILED" in out.stderr
         out = cli(*args, "--orchestrator", lone_addr)  # serves plaintext; its verifier refuses it
