@@ -199,9 +199,13 @@ class Orchestrator(DraftMixin):
             except BaseException as err:  # noqa: BLE001 - abandoned; the stream already ended with its own error
                 log.info("session %s: prefill failed after its stream ended: %s", session.id, err)
         self._drop_opened(session)  # (a session that ended before its first round)
-        if not session.owned or session.lost:
-            self.placement.forget(session)
-            return  # nothing of ours to free (a replay, or another request owns the session now)
+        if not session.owned or session.lost:  # a replay, or another request owns the session now: free only caches
+            owner = self.store.load(session.id) if session.lost else None  # this process placed that its owner does
+            if session.lost and (owner is None or owner.verifier):  # not use (where the store does not say, none)
+                self.placement.release(session, wait=False, keep=owner.verifier if owner else "")
+            else:
+                self.placement.forget(session)
+            return
         self._end_draft(session)
         if state.status not in TERMINAL and state.resumable and not (session.cancel.is_set() or session.failed):
             # The client went away (or this process hit an error): keep everything for a resume.
@@ -256,13 +260,12 @@ class Orchestrator(DraftMixin):
         session.committed_final = state.status in TERMINAL or state.status == DETACHED
 
     def _retake_round(self, state: SessionState, fresh: SessionState | None) -> bool:
-        """After a write refused as stale: if this process's previous write failed unapplied (the store unreachable: a
-        round's commit that ended the stream with UNAVAILABLE) and nobody wrote since, write ``state`` in that round."""
-        if fresh is None or not (fresh.owner == state.owner == self.instance) or fresh.round != state.round - 2:
+        """After a write refused as stale: if the store holds less than our last write and nobody else wrote since (a
+        write failed unapplied; a store restarted older or empty), write ``state`` over it: this process has it all."""
+        if fresh is not None and not (fresh.owner == state.owner == self.instance and fresh.round < state.round - 1):
             return False
-        state.round -= 1
         try:
-            self.store.commit(state)
+            self.store.commit(state, after=fresh.round if fresh is not None else 0)
         except StaleRound:
             return False
         return True
@@ -302,14 +305,14 @@ class Orchestrator(DraftMixin):
                 if session.draft is not None and request.resume_session_id:  # (a new session's started in _start)
                     self._start_draft(session)
                 if session.prefill is None:  # else once the prefill is done: a failed one is an error, not a stream
-                    yield self._announce(session)
-                yield from self._replay(session, request.resume_from_token)
+                    yield session.announce()
+                yield from session.replay(request.resume_from_token)
                 if state.status == RUNNING:
                     rounds = self._rounds(session, cancelled, info)
                     try:
                         for chunk in rounds:
                             if not session.announced:  # the prefill is done by any round's end
-                                yield self._announce(session)
+                                yield session.announce()
                             if chunk.token_ids and started is not None:
                                 meter.time_to_first_token.record((time.perf_counter() - started) * 1e3)
                                 started = None
@@ -333,24 +336,6 @@ class Orchestrator(DraftMixin):
                 span.set_attributes({"gen_ai.response.finish_reasons": [ended],  # this call's tokens and rounds only
                                      "gen_ai.usage.output_tokens": state.generated - before[0],
                                      "specsplit.rounds": state.rounds - before[1]})
-
-    @staticmethod
-    def _announce(session: LiveSession) -> Chunk:
-        """The stream's first chunk: the session id and the prompt's tokens."""
-        session.announced = True
-        return Chunk("", [], session_id=session.id, prompt_token_ids=list(session.state.prompt_token_ids))
-
-    def _replay(self, session: LiveSession, client_has: int) -> Iterator[Chunk]:
-        """Committed tokens a resuming client has not seen (and the finish, if the session ended)."""
-        state = session.state
-        missing = state.committed_token_ids[client_has:state.generated]
-        finish = state.finish_reason if state.status in TERMINAL else ""
-        if not missing and not finish:
-            return
-        kept, text, _ = session.stream.add(missing) if missing else ([], "", False)
-        if finish and finish != "stop":
-            text += session.stream.finish()
-        yield Chunk(text, kept, finish_reason=finish)
 
     def _rounds(self, session: LiveSession, cancelled: threading.Event, info: VerifierInfo) -> Iterator[Chunk]:
         state = session.state

@@ -279,11 +279,11 @@ class KvPlacement:
         self.release(session)
         return True
 
-    def release(self, session, wait: bool = True) -> None:
-        """Free the session's cache on every replica that may hold one. wait=False: the Release calls go out on a
-        thread of their own (in the caller's trace), so a finished generation's stream ends without waiting a round
-        trip to the verifier for them (``releasing`` counts them until they are answered)."""
-        replicas = [r for r in map(self.replicas.by_address, sorted(session.used)) if r is not None]
+    def release(self, session, wait: bool = True, keep: str = "") -> None:
+        """Free the session's cache on every replica that may hold one (but ``keep``, an address). wait=False: the
+        Release calls go out on a thread of their own (in the caller's trace), so a finished generation's stream ends
+        without waiting a round trip to the verifier for them (``releasing`` counts them until they are answered)."""
+        replicas = [r for r in map(self.replicas.by_address, sorted(session.used - {keep})) if r is not None]
         if session.replica is not None:
             self.replicas.placed(session.replica, -1)
         session.used.clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 
 from orchestrator.burst import BurstSizer
@@ -11,7 +12,8 @@ from orchestrator.detok import TextStream
 from specsplit.features import Features
 from specsplit.lookup import SpanLookup
 from specsplit.sampling import SamplingParams
-from specsplit.store import SessionState
+from specsplit.store import TERMINAL, SessionState
+from specsplit.stream import Chunk
 from specsplit.tree import TokenTree
 
 
@@ -80,6 +82,23 @@ class LiveSession:
 
     def save_controller(self) -> None:
         self.state.controller = asdict(self.controller)
+
+    def announce(self) -> Chunk:
+        """The stream's first chunk: the session id and the prompt's tokens."""
+        self.announced = True
+        return Chunk("", [], session_id=self.id, prompt_token_ids=list(self.state.prompt_token_ids))
+
+    def replay(self, client_has: int) -> Iterator[Chunk]:
+        """Committed tokens a resuming client has not seen (and the finish, if the session ended)."""
+        state = self.state
+        missing = state.committed_token_ids[client_has:state.generated]
+        finish = state.finish_reason if state.status in TERMINAL else ""
+        if not missing and not finish:
+            return
+        kept, text, _ = self.stream.add(missing) if missing else ([], "", False)
+        if finish and finish != "stop":
+            text += self.stream.finish()
+        yield Chunk(text, kept, finish_reason=finish)
 
     def add_text(self, tokens: list[int]) -> tuple[list[int], list[int], str, bool]:
         """Detokenize a round's tokens: (tokens the client already has, new tokens kept, new text, hit a stop)."""

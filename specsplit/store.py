@@ -77,8 +77,9 @@ class SessionStore(Protocol):
     def load(self, session_id: str) -> SessionState | None:
         """The stored state (a copy), or None if unknown or expired."""
 
-    def commit(self, state: SessionState) -> None:
-        """Write ``state`` if the store holds round ``state.round - 1``, else raise StaleRound."""
+    def commit(self, state: SessionState, after: int | None = None) -> None:
+        """Write ``state`` if the store holds round ``after`` (default ``state.round - 1``; 0: no session), else raise
+        StaleRound."""
 
     def delete(self, session_id: str) -> None: ...
 
@@ -148,12 +149,13 @@ class InMemoryStore:
             state = self._get(session_id)
             return state.copy() if state is not None else None
 
-    def commit(self, state: SessionState) -> None:
+    def commit(self, state: SessionState, after: int | None = None) -> None:
+        after = state.round - 1 if after is None else after
         with self._lock:
             stored = self._get(state.session_id)
             stored_round = stored.round if stored is not None else 0
-            if stored_round != state.round - 1:
-                raise StaleRound(state.session_id, state.round - 1, stored_round)
+            if stored_round != after:
+                raise StaleRound(state.session_id, after, stored_round)
             self._put(state)
 
     def _put(self, state: SessionState) -> None:
@@ -262,10 +264,11 @@ class RedisStore:
         raw = self._call("load", lambda: self._redis.hget(self._key("session", session_id), "state"))
         return SessionState.from_json(raw) if raw is not None else None
 
-    def commit(self, state: SessionState) -> None:
-        ok, stored = self._write(state, state.round - 1)
+    def commit(self, state: SessionState, after: int | None = None) -> None:
+        after = state.round - 1 if after is None else after
+        ok, stored = self._write(state, after)
         if not ok:
-            raise StaleRound(state.session_id, state.round - 1, stored)
+            raise StaleRound(state.session_id, after, stored)
 
     def delete(self, session_id: str) -> None:
         self._call("delete", lambda: self._redis.delete(self._key("session", session_id), self._key("kv", session_id)))

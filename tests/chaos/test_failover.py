@@ -117,3 +117,27 @@ def test_restart_redis_with_aof_and_resume(model_dir, services, tmp_path):
             assert gens.streams[i].reconnects >= 1
     finally:
         redis.stop()
+
+
+def test_kill9_redis_without_persistence_under_live_streams(model_dir, services):
+    """Redis dies and comes back empty (no AOF, no snapshot) while two resumable streams run: their orchestrator, which
+    holds the sessions, writes them again and goes on; every token as the target alone's, and no verifier session left
+    held after (before: each stream failed with FAILED_PRECONDITION, 'another writer', holding its verifier session
+    until the idle timeout)."""
+    path, loaded = model_dir
+    redis = RedisServer().start()
+    try:
+        _, verifier = services.start("verifier", "--target-model", str(path))
+        _, orch = services.start("orchestrator", "--verifiers", verifier, "--target-model", str(path),
+                                 "--redis-url", redis.url, "--store-retry-s", "5", "--burst-max", "1")
+        prompts = PROMPTS[:2]
+        gens = Generations(orch, prompts, 300, resume=True, reconnect_s=60)
+        gens.wait_until_each_has(4)
+        redis.stop(kill=True)
+        redis.start()  # same port, nothing in it
+        results = gens.join()
+        for i, prompt in enumerate(prompts):
+            assert results[i] == hf_greedy(loaded.model, prompt, 300), i
+        assert wait_for(lambda: RemoteVerifier(verifier).info(timeout=5).num_sessions == 0)
+    finally:
+        redis.stop()

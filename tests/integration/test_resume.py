@@ -130,11 +130,11 @@ class StoreThatFailsOnce(InMemoryStore):
 
     fail = False
 
-    def commit(self, state):
+    def commit(self, state, after=None):
         if self.fail:
             self.fail = False
             raise Unavailable("the session store is unreachable")
-        super().commit(state)
+        super().commit(state, after)
 
 
 def test_a_round_the_store_could_not_write_is_written_when_the_session_detaches(target):
@@ -220,14 +220,72 @@ class StoreWithARivalWriter(InMemoryStore):
     another writer's in first (as when a session's old orchestrator commits one more round meanwhile)."""
 
     rival_for = ""
+    rival_cache = None  # the verifier the rival's write names (None: the stored one's)
+    rival_after = 0  # rounds before the rival writes
 
-    def commit(self, state):
-        if self.rival_for and state.owner == self.rival_for:
+    def commit(self, state, after=None):
+        if self.rival_for and state.owner == self.rival_for and state.round > self.rival_after:
             self.rival_for = ""
             stored = self.load(state.session_id)
             stored.round += 1
+            if self.rival_cache is not None:
+                stored.owner, stored.verifier = "rival", self.rival_cache
             super().commit(stored)
-        super().commit(state)
+        super().commit(state, after)
+
+
+class StoreThatRestarts(InMemoryStore):
+    """The in-process store that, when told, goes back to what it held after a session's write of round 3, or to
+    nothing (Redis restarted from an older snapshot, or without one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.snapshots = {}
+
+    def commit(self, state, after=None):
+        super().commit(state, after)
+        if state.round == 3:
+            self.snapshots[state.session_id] = state.copy()
+
+    def restart(self, session_id, from_snapshot: bool):
+        with self._lock:
+            if from_snapshot:
+                self._put(self.snapshots[session_id])
+            else:
+                self._states.pop(session_id)
+
+
+@pytest.mark.parametrize("from_snapshot", [False, True])
+def test_a_live_session_outlives_a_store_that_lost_it(target, from_snapshot):
+    """The store restarts mid-stream, without the session or a few rounds behind: the orchestrator, which holds the
+    whole session, writes it again and goes on (it failed with FAILED_PRECONDITION, 'another writer', and left its
+    verifier and draft sessions held until their idle timeout)."""
+    store = StoreThatRestarts()
+    with start_stack(target, [NgramProposer(DraftConfig())], store=store) as stack:
+        stream = Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=200, resume=True)
+        got = []
+        for chunk in stream:
+            got.append(chunk)
+            if len(got) == 6:
+                store.restart(stream.session_id, from_snapshot)
+        assert len(got) > 6 and stream.reconnects == 0
+        assert tokens_of(got) == hf_greedy(target.model, PROMPT, 200)
+        assert store.load(stream.session_id).status == FINISHED
+        assert wait_for(lambda: stack.verifier_sessions() == 0 and stack.draft_sessions() == 0)
+
+
+@pytest.mark.parametrize("owner_cache", ["127.0.0.1:1", ""])
+def test_an_orchestrator_that_lost_its_session_frees_only_caches_the_owner_does_not_use(target, owner_cache):
+    """Another orchestrator claimed the session meanwhile (this one was frozen, its client moved): this one's next
+    write loses, and it frees the verifier cache it placed, which the owner (its cache elsewhere) does not use; where
+    the store does not say where the owner's cache is, it touches none."""
+    store = StoreWithARivalWriter()
+    with start_stack(target, [], store=store) as stack:
+        store.rival_for, store.rival_cache, store.rival_after = stack.orchestrator.core.instance, owner_cache, 4
+        with pytest.raises(grpc.RpcError) as lost:
+            list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=LONG, resume=True))
+        assert lost.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert wait_for(lambda: stack.verifier_sessions() == (0 if owner_cache else 1))
 
 
 def test_a_resume_that_loses_the_race_to_claim_the_session_resumes_again(target):

@@ -2,9 +2,6 @@
 OTLP from separate processes to a collector."""
 
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from draft_service.ngram import NgramProposer
 from specsplit.client import Client
@@ -15,10 +12,9 @@ PROMPT = [258, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4]
 
 
 def test_one_trace_across_services(target):
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
+    from tiny import span_exporter
+
+    exporter = span_exporter()  # (the process's one tracer provider, whichever test set it)
     with start_stack(target, [NgramProposer(DraftConfig())]) as stack:
         chunks = list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=12))
     rounds = sum(1 for c in chunks if c.stats)
