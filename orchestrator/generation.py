@@ -49,7 +49,7 @@ class Orchestrator(DraftMixin):
         order; store: a SessionStore (default: an in-process one)."""
         self.config = config or OrchestratorConfig()
         self.replicas = ReplicaSet(list(verifiers) if isinstance(verifiers, (list, tuple)) else [verifiers],
-                                   self.config.health_interval_s)
+                                   self.config.health_interval_s, cut_after=self.config.health_cut_after)
         self.store = store if store is not None else InMemoryStore()
         self.placement = KvPlacement(self.replicas, self.store, self.config)
         self.tokenizer = tokenizer

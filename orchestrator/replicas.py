@@ -18,16 +18,21 @@ class Replica:
     client: object  # a RemoteVerifier
     healthy: bool = True  # optimistic until a health check or a call says otherwise
     sessions: int = 0  # sessions this orchestrator placed here and has not released
+    failed_checks: int = 0  # health checks failed in a row
 
 
 class ReplicaSet:
     """Verifier replicas behind one orchestrator; a background thread health-checks them."""
 
-    def __init__(self, clients: list, health_interval_s: float = 1.0, health_timeout_s: float = 1.0):
+    def __init__(self, clients: list, health_interval_s: float = 1.0, health_timeout_s: float = 1.0,
+                 cut_after: int = 3):
+        """cut_after: health checks failed in a row after which the replica's calls in flight are cut short (their
+        sessions move; 0: never): a hung replica or a partitioned link otherwise holds them to their deadline."""
         if not clients:
             raise ValueError("at least one verifier replica is needed")
         self.replicas = [Replica(c.address, c) for c in clients]
         self.health_timeout_s = health_timeout_s
+        self.cut_after = cut_after
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = None
@@ -80,6 +85,12 @@ class ReplicaSet:
             elif not ok and replica.healthy:
                 log.warning("verifier replica %s failed its health check", replica.address)
             replica.healthy = ok
+            replica.failed_checks = 0 if ok else replica.failed_checks + 1
+            if replica.failed_checks == self.cut_after and hasattr(replica.client, "cut_calls"):
+                cut = replica.client.cut_calls()
+                if cut:
+                    log.warning("verifier replica %s failed %d health checks in a row: %d calls to it cut short (their "
+                                "sessions move)", replica.address, self.cut_after, cut)
 
     def _run(self, interval: float) -> None:
         while not self._stop.wait(interval):

@@ -85,6 +85,7 @@ class OrchestratorConfig:
     prefill_timeout_s: float = 300.0  # long prompts on CPU
     draft_retry_rounds: int = 32  # after a draft failure, target-only rounds before trying the draft again
     health_interval_s: float = 1.0  # grpc.health.v1 checks of verifier replicas (a failed call also marks one down)
+    health_cut_after: int = 3  # failed checks in a row that cut a replica's calls in flight short (0: never)
     offload_idle: bool = True  # a detached session's KV cache moves to the session store, freeing the replica
     offload_min_tokens: int = 256  # below this, re-prefill is about as fast as a restore: not worth the bytes
     offload_dtype: str = ""  # "" keeps the cache's dtype (token-identical); "float16" halves an fp32 blob

@@ -217,12 +217,53 @@ class DraftInfo:
     target_identity: str = ""  # the target it was trained for ("": any)
 
 
+class Unresponsive(grpc.RpcError):
+    """A call cut short (``RemoteVerifier.cut_calls``): its replica stopped answering health checks (hung, or the
+    link to it partitioned, where a call would otherwise wait out its whole deadline). UNAVAILABLE: a failover."""
+
+    def __init__(self, address: str):
+        super().__init__()
+        self._details = f"verifier replica {address} stopped answering health checks; the call was cut short"
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._details
+
+    def __str__(self) -> str:
+        return self._details
+
+
 class RemoteVerifier:
     def __init__(self, address: str):
         self.address = address
         self.channel = open_channel(address)
         self.stub = verifier_pb2_grpc.VerifierServiceStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        self._calls: set = set()  # Prefill and Verify calls in flight (``cut_calls`` ends them)
+        self._calls_lock = threading.Lock()
+
+    def _call(self, method, request, timeout: float):
+        """A unary call that ``cut_calls`` can end before its deadline (then ``Unresponsive``)."""
+        future = method.future(request, timeout=timeout)
+        with self._calls_lock:
+            self._calls.add(future)
+        try:
+            return future.result()
+        except grpc.FutureCancelledError:
+            raise Unresponsive(self.address) from None
+        finally:
+            with self._calls_lock:
+                self._calls.discard(future)
+
+    def cut_calls(self) -> int:
+        """End the Prefill and Verify calls in flight (they raise ``Unresponsive``); how many there were."""
+        with self._calls_lock:
+            calls = list(self._calls)
+        for call in calls:
+            call.cancel()
+        return len(calls)
 
     def info(self, timeout: float) -> VerifierInfo:
         r = self.stub.GetInfo(verifier_pb2.VerifierInfoRequest(), timeout=timeout)
@@ -244,10 +285,10 @@ class RemoteVerifier:
     def prefill_reply(self, session_id: str, prompt_token_ids: list[int], timeout: float,
                       sampling: SamplingParams | None = None, return_features: bool = False,
                       medusa: bool = False) -> VerifierReply:
-        r = self.stub.Prefill(verifier_pb2.PrefillRequest(session_id=session_id, prompt_token_ids=prompt_token_ids,
-                                                          sampling=sampling_to_pb(sampling or SamplingParams()),
-                                                          return_features=return_features, medusa=medusa),
-                              timeout=timeout)
+        r = self._call(self.stub.Prefill,
+                       verifier_pb2.PrefillRequest(session_id=session_id, prompt_token_ids=prompt_token_ids,
+                                                   sampling=sampling_to_pb(sampling or SamplingParams()),
+                                                   return_features=return_features, medusa=medusa), timeout)
         return VerifierReply(r.committed_length, *_extras_from_pb(r), prefill_ms=r.prefill_ms,
                              copied_tokens=r.copied_tokens)
 
@@ -260,12 +301,10 @@ class RemoteVerifier:
                      timeout: float, decode_steps: int = 0) -> VerifierReply:
         """decode_steps: after the verdict the target decodes alone up to this many more tokens (a burst)."""
         start = time.perf_counter()
-        r = self.stub.Verify(
-            verifier_pb2.VerifyRequest(session_id=session_id, tree=tree_to_pb(tree),
-                                       expected_committed_length=expected_committed_length, max_commit=max_commit,
-                                       decode_steps=decode_steps),
-            timeout=timeout,
-        )
+        r = self._call(self.stub.Verify,
+                       verifier_pb2.VerifyRequest(session_id=session_id, tree=tree_to_pb(tree),
+                                                  expected_committed_length=expected_committed_length,
+                                                  max_commit=max_commit, decode_steps=decode_steps), timeout)
         return VerifierReply(r.committed_length, *_extras_from_pb(r), verdict_from_pb(r),
                              VerifyTiming(r.verify_ms, r.queue_ms, r.cost_ms, (time.perf_counter() - start) * 1e3))
 

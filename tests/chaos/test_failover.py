@@ -141,3 +141,31 @@ def test_kill9_redis_without_persistence_under_live_streams(model_dir, services)
         assert wait_for(lambda: RemoteVerifier(verifier).info(timeout=5).num_sessions == 0)
     finally:
         redis.stop()
+
+
+def test_a_hung_verifier_replica_s_sessions_move_within_seconds(model_dir, services):
+    """A replica that stops answering without closing its connections (SIGSTOP here; a partitioned link looks the
+    same): after three failed health checks its calls in flight are cut short and their sessions move, in seconds
+    (before, each waited out its 60 s Verify deadline). Every output as the target alone's."""
+    import os
+    import signal
+
+    path, loaded = model_dir
+    (p1, v1), (p2, v2) = (services.start("verifier", "--target-model", str(path)) for _ in range(2))
+    _, orch = services.start("orchestrator", "--verifiers", f"{v1},{v2}", "--target-model", str(path),
+                             "--burst-max", "1")
+    prompts = PROMPTS[:4]
+    gens = Generations(orch, prompts, 200)
+    gens.wait_until_each_has(4)
+    held = [RemoteVerifier(a).info(timeout=5).num_sessions for a in (v1, v2)]
+    hung = (p1, p2)[0 if held[0] >= held[1] else 1]
+    os.kill(hung.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        results = gens.join(timeout=60)
+        took = time.monotonic() - start
+    finally:
+        os.kill(hung.pid, signal.SIGCONT)
+    assert max(held) >= 1 and took < 30, (held, took)
+    for i, prompt in enumerate(prompts):
+        assert results[i] == hf_greedy(loaded.model, prompt, 200), i
