@@ -24,11 +24,12 @@ class TextStream:
         start = len(self.token_ids)
         self.token_ids.extend(new_token_ids)
         text = self._decode(self.token_ids)
-        hit = self._find_stop(text)
-        if hit is not None:
-            # Shortest token prefix whose text contains the stop string.
+        if self._find_stop(text) is not None:
+            # Shortest token prefix whose text contains a stop string; the text ends before the first stop string in
+            # it (as when the tokens come one at a time: however the rounds group them, the same text).
             for end in range(start + 1, len(self.token_ids) + 1):
-                if self._find_stop(self._decode(self.token_ids[:end])) is not None:
+                hit = self._find_stop(text := self._decode(self.token_ids[:end]))
+                if hit is not None:
                     break
             del self.token_ids[end:]
             final = text[:hit]
@@ -39,6 +40,14 @@ class TextStream:
         delta = stable[len(self.emitted):] if len(stable) > len(self.emitted) else ""
         self.emitted += delta
         return list(new_token_ids), delta, False
+
+    def mark(self) -> tuple[int, str]:
+        """Where the stream is: ``rewind`` goes back there (a round whose tokens were not sent after all)."""
+        return len(self.token_ids), self.emitted
+
+    def rewind(self, mark: tuple[int, str]) -> None:
+        del self.token_ids[mark[0]:]
+        self.emitted = mark[1]
 
     def finish(self) -> str:
         """Everything not yet emitted (end of generation: nothing can change any more)."""

@@ -384,6 +384,7 @@ class Orchestrator(DraftMixin):
                 if token in eos:
                     visible, finish = committed[: i + 1], "eos"
                     break
+            sent = session.stream.mark()
             hidden, kept, text, hit_stop = session.add_text(visible)
             if hit_stop:
                 finish = "stop"
@@ -395,9 +396,10 @@ class Orchestrator(DraftMixin):
                 state.status, state.finish_reason = FINISHED, finish
             try:
                 self._commit(session)  # before streaming: a resuming client never misses a sent token
-            except _CancelledElsewhere:
+            except _CancelledElsewhere:  # (this round's tokens are not sent; the text held back of those sent is)
                 state.status, state.finish_reason = CANCELLED, "cancelled"
-                yield Chunk("", [], finish_reason="cancelled")
+                session.stream.rewind(sent)
+                yield Chunk(session.stream.finish(), [], finish_reason="cancelled")
                 return
             stats = RoundStats(state.rounds, len(tree), len(verdict.accepted_nodes), len(kept), draft_ms or 0.0,
                                timing.verify_ms, self._drafter_name(session) if tree else "none", tree.depth,

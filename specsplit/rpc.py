@@ -172,7 +172,7 @@ def generate_request_to_pb(prompt, messages, prompt_token_ids, max_new_tokens, t
         prompt_token_ids=list(prompt_token_ids or ()),
         no_chat_template=not chat_template,
         sampling=sampling,
-        stop=list(stop),
+        stop=[stop] if isinstance(stop, str) else list(stop),  # (one string is one stop string, not its letters)
         draft=draft,
         session_id=session_id,
         resumable=resumable,

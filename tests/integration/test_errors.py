@@ -149,6 +149,14 @@ def test_the_sdk_refuses_malformed_requests_before_sending(kwargs, words):
     assert words in str(info.value)
 
 
+def test_one_stop_string_given_as_a_string_is_one_stop_string():
+    """generate(..., stop="xyz") sends the stop string "xyz" (it sent "x", "y" and "z": a stop at any of them)."""
+    from specsplit.rpc import generate_request_to_pb
+
+    request = generate_request_to_pb("hi", None, None, 4, 0.0, 0, 1.0, None, "xyz", "auto", True, "")
+    assert list(request.stop) == ["xyz"]
+
+
 def test_a_port_in_use_is_refused(stack):
     """A second server on a port in use fails to start (gRPC's SO_REUSEPORT would have shared it)."""
     from specsplit.errors import Unavailable
