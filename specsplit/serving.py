@@ -53,9 +53,10 @@ def grpc_errors(method):
     downstream call's error that nothing handled (a verifier's or a draft's) keeps its status, named as downstream,
     instead of becoming UNKNOWN (which a resuming client takes for a broken connection)."""
 
-    def abort(context, err: Exception) -> None:
-        # The call ends with this status (set, not context.abort: that raises a bare Exception, which the tracing
-        # interceptor's span then shows as the error in place of the real one, recorded here).
+    def abort(context, err: Exception, stream: bool) -> None:
+        # The call ends with this status, the real error recorded on the call's span. A stream's status is set and the
+        # stream ends (context.abort raises a bare Exception, which the tracing interceptor's span shows besides the
+        # real one); a unary call still needs abort (returning no reply makes grpc log a serialization error).
         if isinstance(err, SpecSplitError):
             code, details = getattr(grpc.StatusCode, err.code_name), str(err)
         else:
@@ -67,6 +68,8 @@ def grpc_errors(method):
         from opentelemetry import trace
 
         trace.get_current_span().record_exception(err)
+        if not stream:
+            context.abort(code, details)
         context.set_code(code)
         context.set_details(details)
 
@@ -78,7 +81,7 @@ def grpc_errors(method):
             try:
                 yield from method(self, request, context)
             except (SpecSplitError, grpc.RpcError) as err:
-                abort(context, err)
+                abort(context, err, stream=True)
             finally:
                 _count_in_flight(-1)
 
@@ -90,7 +93,7 @@ def grpc_errors(method):
         try:
             return method(self, request, context)
         except (SpecSplitError, grpc.RpcError) as err:
-            abort(context, err)
+            abort(context, err, stream=False)
         finally:
             _count_in_flight(-1)
 

@@ -76,13 +76,14 @@ def test_verifier_errors(stack):
     assert verifier.release("s1", timeout=5) is False
 
 
-def test_session_cap_is_resource_exhausted(stack):
+def test_session_cap_is_resource_exhausted(stack, caplog):
     verifier = RemoteVerifier(stack.verifier.address)
     for i in range(4):
         verifier.prefill(f"cap{i}", PROMPT, timeout=5)
     try:
         code, details = code_of(lambda: verifier.prefill("cap4", PROMPT, timeout=5))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_sessions=4" in details
+        assert "Exception serializing" not in caplog.text  # a refusal is not logged as a crash
     finally:
         for i in range(4):
             verifier.release(f"cap{i}", timeout=5)
