@@ -58,6 +58,8 @@ class Orchestrator(DraftMixin):
         self.drafts = list(drafts)
         self._draft_info: dict[int, DraftInfo] = {}
         self._live: dict[str, LiveSession] = {}  # sessions this process is generating now
+        self._cancelled_early: dict[str, float] = {}  # ids a Cancel named before they existed -> when (monotonic)
+        self._cancel_lock = threading.Lock()
         # The latest session's verification trigger per draft (``share_estimates``): a new session starts
         # from its estimates instead of from scratch. Estimates only: no token depends on them (streamed
         # trees are greedy: the tokens are the target's whatever the trigger does).
@@ -115,7 +117,10 @@ class Orchestrator(DraftMixin):
         self._set_draft_mode(session, request.draft)
         session.burst = burst_sizer(state, self.config, draft is not None or session.medusa)
         session.save_controller()
-        self.store.create(state)  # a taken session id is refused here
+        with self._cancel_lock:  # (a Cancel that came before the session existed is honoured now)
+            self.store.create(state)  # a taken session id is refused here
+            if self._cancelled_early.pop(state.session_id, None) is not None:
+                session.cancel.set()
         try:
             if draft is not None:  # first: a model draft prefills the prompt and grows its first tree meanwhile
                 self._start_draft(session)
@@ -237,7 +242,12 @@ class Orchestrator(DraftMixin):
             state.status, state.finish_reason = CANCELLED, "cancelled"
             cancelled.append(state)
 
-        update(self.store, session_id, mark)
+        with self._cancel_lock:
+            update(self.store, session_id, mark)
+            if not cancelled and live is None:  # not started yet (a Cancel sent right after its Generate): when it
+                now = time.monotonic()  # starts within a minute, it starts cancelled
+                self._cancelled_early = {k: t for k, t in self._cancelled_early.items() if now - t < 60}
+                self._cancelled_early[session_id] = now
         if cancelled:
             if cancelled[-1].verifier:
                 self.placement.release_at(cancelled[-1].verifier, session_id)

@@ -331,6 +331,18 @@ def test_cancel_reaches_the_session_through_another_orchestrator(target):
         assert list(reader) == []  # the stream ends (it does not resume on the second)
 
 
+def test_a_cancel_that_arrives_before_its_session_exists_cancels_it(target):
+    """stream.cancel() right after generate(): the Cancel can reach the orchestrator before the Generate has made the
+    session. It then starts cancelled (before, the cancelled call left it detached, its cache held on the verifier)."""
+    with start_stack(target, [NgramProposer(DraftConfig())]) as stack:
+        assert stack.orchestrator.core.cancel("early") is False  # nothing to cancel yet
+        chunks = list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=LONG, resume=True,
+                                                     session_id="early"))
+        assert chunks[-1].finish_reason == "cancelled" and not tokens_of(chunks)
+        assert wait_for(lambda: stack.orchestrator.core.store.load("early").status == CANCELLED)
+        assert wait_for(lambda: stack.verifier_sessions() == 0 and stack.draft_sessions() == 0)
+
+
 def test_cancel_frees_a_resumable_session(target):
     with start_stack(target, [NgramProposer(DraftConfig())]) as stack:
         client = Client(stack.address)
