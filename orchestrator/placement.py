@@ -138,8 +138,9 @@ class KvPlacement:
 
     def _load(self, session, replica: Replica, fresh: bool) -> None:
         state, tokens = session.state, session.token_ids
-        if not fresh:
-            self._release_on(replica, session.id)  # a stale copy (an earlier owner's) would refuse the load
+        session.used.add(replica.address)  # (a load that times out may still have made a copy there)
+        if not fresh:  # a stale copy (an earlier owner's, or a timed-out call's) would refuse the load
+            self._release_on(replica, session.id, even_if_down=True)  # (the load goes there anyway)
         with tracer.start_as_current_span("specsplit.orchestrator.restore") as span:
             span.set_attribute("specsplit.replica", replica.address)
             span.set_attribute("specsplit.committed_length", len(tokens))
@@ -331,8 +332,8 @@ class KvPlacement:
         if replica is not None:
             self._release_on(replica, session_id)
 
-    def _release_on(self, replica: Replica, session_id: str) -> None:
-        if not replica.healthy:
+    def _release_on(self, replica: Replica, session_id: str, even_if_down: bool = False) -> None:
+        if not (replica.healthy or even_if_down):
             return  # a dead replica's caches died with it; a revived one sweeps idle sessions itself
         try:
             replica.client.release(session_id, timeout=self.config.draft_timeout_s)

@@ -278,6 +278,36 @@ def test_an_orchestrator_that_lost_its_session_frees_only_caches_the_owner_does_
         assert wait_for(lambda: stack.verifier_sessions() == (0 if owner_cache else 1))
 
 
+def test_a_timed_out_verify_on_the_only_replica_rebuilds_the_session_there(target, monkeypatch):
+    """A Verify times out (DEADLINE_EXCEEDED): the replica, the only one, counts as down, and the session is rebuilt
+    there. The copy the timed-out call left is released first though the replica counts as down (before, the rebuild
+    was refused, 'already exists', the generation failed and the copy stayed held)."""
+    from specsplit.rpc import RemoteVerifier
+
+    real, timed_out = RemoteVerifier.verify_reply, []
+
+    def once_too_slow(self, *args, **kwargs):
+        reply = real(self, *args, **kwargs)  # the verifier did the work; its answer came too late
+        if not timed_out:
+            timed_out.append(1)
+            raise _DeadlineExceeded()
+        return reply
+
+    monkeypatch.setattr(RemoteVerifier, "verify_reply", once_too_slow)
+    with start_stack(target, [NgramProposer(DraftConfig())]) as stack:
+        chunks = list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=LONG))
+        assert timed_out and tokens_of(chunks) == hf_greedy(target.model, PROMPT, LONG)
+        assert wait_for(lambda: stack.verifier_sessions() == 0)
+
+
+class _DeadlineExceeded(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self):
+        return "Deadline Exceeded"
+
+
 def test_a_resume_that_loses_the_race_to_claim_the_session_resumes_again(target):
     """The orchestrator a resume reaches loses the claim to another writer (FAILED_PRECONDITION: resume it again):
     the SDK resumes again instead of failing the generation."""
