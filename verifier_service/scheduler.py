@@ -6,7 +6,8 @@ tokens, waiting at most ``wait_s`` after the first for the sessions expected bac
 all once they all have something in the tick; a session whose round trip usually takes longer is not
 waited for, so a far or slow edge never holds everyone's forward). Two works of one session never share a tick: the
 second ends the gathering and opens the next tick. Work that needs more ticks (a long Prefill, one
-chunk per tick) goes first in the next one.
+chunk per tick; a decode burst, one step per tick) goes in the next one right after the works that waited (did not
+fit in this tick, or came during it): a long prompt holds no one back more than a tick.
 
 All forwards run on this one thread (see ``specsplit.runner`` for why), under inference mode.
 """
@@ -81,9 +82,24 @@ class Scheduler:
                 for work in batch:
                     if not work.future.done():
                         work.future.set_exception(err)
-            self._carry.extendleft(reversed(continuing))
+            self._requeue(continuing)
         for work in [*self._carry, *self._drain()]:
             work.future.set_exception(Unavailable("the verifier shut down before this request ran"))
+
+    def _requeue(self, continuing: list[Work]) -> None:
+        """The next tick's order: the works that waited (they did not fit in this tick, or came during it) before those
+        that continue (a prompt's next chunk, a burst's next step), so a long prompt or a burst holds no one back more
+        than a tick; a waiting work of a session that continues stays behind it (a session's works keep their order)."""
+        waiting = [*self._carry]
+        self._carry.clear()
+        while (item := self._get(0.0)) is not None:
+            if item is _STOP:
+                self._queue.put(_STOP)  # (behind what it followed, now in the carry)
+                break
+            waiting.append(item)
+        going = {id(work.key) for work in continuing}
+        self._carry.extend([w for w in waiting if id(w.key) not in going] + continuing +
+                           [w for w in waiting if id(w.key) in going])
 
     def gather(self) -> list[Work] | None:
         """The next tick's works (None once closed)."""

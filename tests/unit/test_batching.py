@@ -168,6 +168,49 @@ def test_scheduler_waits_for_the_sessions_expected_back_but_not_for_the_others()
         sched.close()
 
 
+class Continuing(Recorder):
+    """Runs ticks whose works named "p..." continue for ``chunks`` ticks each (a long prompt's chunks)."""
+
+    def __init__(self, chunks: int):
+        super().__init__(delay=0.01)
+        self.chunks, self.left = chunks, {}
+
+    def __call__(self, works):
+        self.ticks.append([w.name for w in works])
+        time.sleep(self.delay)
+        going = []
+        for w in works:
+            self.left[w.name] = self.left.get(w.name, self.chunks) - 1
+            if w.name.startswith("p") and self.left[w.name] > 0:
+                going.append(w)
+            else:
+                w.future.set_result(w.name)
+        return going
+
+
+@pytest.mark.parametrize("limit", ["tokens", "rows"])
+def test_work_that_waits_goes_before_work_that_continues(limit):
+    """Four long prompts fill every tick with their chunks (by tokens, or by rows); a Verify that arrives meanwhile
+    runs in the next tick, not after all their chunks; and a session's works keep their order."""
+    rec = Continuing(chunks=6)
+    max_batch, max_tokens = (8, 128) if limit == "tokens" else (4, 1000)
+    sched = Scheduler(rec, max_batch=max_batch, max_tokens=max_tokens, wait_s=0.0)
+    try:
+        sessions = [object() for _ in range(4)]
+        prompts = [sched.submit(named(sessions[i], 32, f"p{i}")) for i in range(4)]
+        time.sleep(0.025)
+        verify = sched.submit(named("v", 1, "v"))
+        behind = sched.submit(named(sessions[0], 1, "k0-verify"))  # the session of prompt p0: after its chunks
+        assert verify.result(timeout=5) == "v"
+        [f.result(timeout=5) for f in [*prompts, behind]]
+    finally:
+        sched.close()
+    at = next(i for i, tick in enumerate(rec.ticks) if "v" in tick)
+    assert at <= 4  # (a tick or two after it came; before: once every prompt was done, tick 6 or later)
+    assert max(i for i, tick in enumerate(rec.ticks) if "p0" in tick) < rec.ticks.index(
+        next(t for t in rec.ticks if "k0-verify" in t))
+
+
 def test_closing_runs_what_was_queued_then_refuses_new_work():
     rec = Recorder(delay=0.05)
     sched = Scheduler(rec, max_batch=1, max_tokens=10, wait_s=0.0)
