@@ -204,9 +204,10 @@ class Orchestrator(DraftMixin):
             except BaseException as err:  # noqa: BLE001 - abandoned; the stream already ended with its own error
                 log.info("session %s: prefill failed after its stream ended: %s", session.id, err)
         self._drop_opened(session)  # (a session that ended before its first round)
-        if not session.owned or session.lost:  # a replay, or another request owns the session now: free only caches
-            owner = self.store.load(session.id) if session.lost else None  # this process placed that its owner does
-            if session.lost and (owner is None or owner.verifier):  # not use (where the store does not say, none)
+        if not session.owned or session.lost:  # a replay, or another request owns the session now
+            # Free the caches this process placed that the owner does not use (where the store does not say: none).
+            owner = self.store.load(session.id) if session.lost else None
+            if session.lost and (owner is None or owner.verifier):
                 self.placement.release(session, wait=False, keep=owner.verifier if owner else "")
             else:
                 self.placement.forget(session)

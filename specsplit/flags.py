@@ -220,8 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="comma-separated HOST:PORT of verifier replicas (env SPECSPLIT_VERIFIERS); a session "
                            "moves to another replica when its replica dies")
     orch.add_argument("--drafts", type=_address_list, default=_env("SPECSPLIT_DRAFTS", ""),
-                      help="comma-separated HOST:PORT of draft services; a session asking --draft auto gets the first "
-                           "that answers, one asking a named drafter the first serving it (env SPECSPLIT_DRAFTS; "
+                      help="comma-separated HOST:PORT of draft services; a session asking --draft auto gets the first, "
+                           "one asking a named drafter the first serving that drafter (env SPECSPLIT_DRAFTS; "
                            "empty: target-only)")
     orch.add_argument("--target-model", default=_env("SPECSPLIT_TARGET_MODEL"),
                       help="the target model, for its tokenizer and chat template (env SPECSPLIT_TARGET_MODEL; "
