@@ -76,12 +76,17 @@ STACK_FLAGS = ("device", "dtype", "threads", "target_model", "draft_model", "dra
                "tree_max_nodes", "provisional_max", "burst_max")
 
 
+def _given(args, names) -> list[str]:
+    """Which of these generate flags are not at their defaults (given on the command line, or by a variable)."""
+    defaults = build_parser().parse_args(["generate", ""])
+    return [name for name in names if getattr(args, name) != getattr(defaults, name)]
+
+
 def _refuse_stack_flags(args) -> None:
     """With --orchestrator, a stack flag would be silently ignored: refuse it instead."""
     from specsplit.errors import InvalidArgument
 
-    defaults = build_parser().parse_args(["generate", ""])
-    given = [f"--{name.replace('_', '-')}" for name in STACK_FLAGS if getattr(args, name) != getattr(defaults, name)]
+    given = [f"--{name.replace('_', '-')}" for name in _given(args, STACK_FLAGS)]
     if given:
         raise InvalidArgument(f"{', '.join(given)} set up the embedded stack, not a request: with --orchestrator they "
                               "belong on `specsplit serve orchestrator|draft|verifier`")
@@ -97,9 +102,9 @@ def _refuse_unused_draft_flags(args) -> None:
     """A draft flag given to a drafter that does not read it (a typo'd --draft?) is refused, not ignored."""
     from specsplit.errors import InvalidArgument
 
-    defaults = build_parser().parse_args(["generate", ""])
-    for name, users in DRAFT_FLAG_USERS.items():
-        if getattr(args, name) != getattr(defaults, name) and args.draft not in users:
+    for name in _given(args, DRAFT_FLAG_USERS):
+        users = DRAFT_FLAG_USERS[name]
+        if args.draft not in users:
             flag = f"--{name.replace('_', '-')}"
             raise InvalidArgument(f"{flag} is for --draft {' or '.join(u for u in users if u != 'auto')} (or auto); "
                                   f"--draft {args.draft} does not use it")
