@@ -24,6 +24,7 @@ END_WAIT_S = 2.0  # an ended session's last round that holds it longer leaves it
 class DraftSession:
     token_ids: list[int]  # committed tokens: prompt + generated
     lock: threading.Lock
+    stop_token_ids: tuple[int, ...] = ()  # the target's EOS ids: a grown branch ends at one
 
 
 class Drafter:
@@ -33,7 +34,7 @@ class Drafter:
         self._sessions: dict[str, DraftSession] = {}
 
     def start(self, session_id: str, prompt_token_ids: list[int], tokenizer_fingerprint: str,
-              sampling: SamplingParams | None = None, target_identity: str = "") -> None:
+              sampling: SamplingParams | None = None, target_identity: str = "", stop_token_ids=()) -> None:
         if not session_id:
             raise InvalidArgument("session_id is empty")
         if not prompt_token_ids:
@@ -51,7 +52,7 @@ class Drafter:
                 f"the verifier serves {target_identity or '(an unnamed target)'}: it reads that model's features; "
                 "pair it with its own target or train one for this target"
             )
-        self._sessions[session_id] = DraftSession(list(prompt_token_ids), threading.Lock())
+        self._sessions[session_id] = DraftSession(list(prompt_token_ids), threading.Lock(), tuple(stop_token_ids))
         self.proposer.start(session_id, list(prompt_token_ids), sampling or SamplingParams())
 
     def propose(self, session_id: str, new_token_ids: list[int], committed_length: int, max_nodes: int,
@@ -85,7 +86,8 @@ class Drafter:
                                      draft_ms=(time.perf_counter() - start) * 1e3)
                     return
                 nodes = provisional = 0
-                for step in grow(session_id, session.token_ids, budget, control, provisional_max):
+                for step in grow(session_id, session.token_ids, budget, control, provisional_max,
+                                 stop_token_ids=session.stop_token_ids):
                     if step.provisional:
                         provisional += len(step.token_ids)
                     else:

@@ -105,7 +105,7 @@ class FeatureProposer:
         return self._runner(self._propose, self._sessions[session_id], token_ids, max_nodes)
 
     def grow(self, session_id: str, token_ids: list[int], max_nodes: int, control: GrowthControl,
-             provisional_max: int = 0) -> Iterator[GrowthStep]:
+             provisional_max: int = 0, stop_token_ids=()) -> Iterator[GrowthStep]:
         """One DraftTree round (greedy): stream a width-adaptive tree as it grows, then draft provisionally
         from the best verified branch's leaf (``GrowthRound``). Kept provisional tokens seed the next
         round's tree with their rows from this round. Sampling: the Propose path's tree, in one step."""
@@ -145,7 +145,8 @@ class FeatureProposer:
 
         round_ = GrowthRound(forward, forget, self.drafter.vocab_ids)
         try:
-            yield from round_.run(seed, max_nodes, growth_policy(self.config), control, provisional_max)
+            yield from round_.run(seed, max_nodes, growth_policy(self.config, stop_token_ids), control,
+                                  provisional_max)
         finally:
             self._keep_path(session, committed, round_, slot, tree_kv, predicted)
 

@@ -173,7 +173,7 @@ class ModelProposer:
         return tree
 
     def grow(self, session_id: str, token_ids: list[int], max_nodes: int, control: GrowthControl,
-             provisional_max: int = 0) -> Iterator[GrowthStep]:
+             provisional_max: int = 0, stop_token_ids=()) -> Iterator[GrowthStep]:
         """One DraftTree round: stream a width-adaptive tree as it grows, then draft provisionally.
 
         Each yielded step is one draft forward over the whole frontier (tree mask over the draft's KV
@@ -213,7 +213,8 @@ class ModelProposer:
         round_ = GrowthRound(forward, forget, lookup=self._lookup(session, token_ids) if self.copies else None,
                              spans=session.spans)
         try:
-            yield from round_.run(seed, max_nodes, growth_policy(self.config), control, provisional_max)
+            yield from round_.run(seed, max_nodes, growth_policy(self.config, stop_token_ids), control,
+                                  provisional_max)
         finally:
             self._keep_path(session, token_ids, round_.tree, slot, round_.leaf)
 

@@ -17,7 +17,7 @@ from specsplit.config import DraftConfig
 from specsplit.growth import GrowingTree, GrowthPolicy, GrowthStep, best_leaf, grow_tree
 from specsplit.lookup import COPY_MIN_HITS, LOOKUP_PROB, SPAN_PROBE, span_share
 from specsplit.sampling import SamplingParams, session_generator
-from specsplit.tree import SparseDist, TokenTree
+from specsplit.tree import SparseDist, TokenTree, until_stop
 
 
 class GrowthControl(Protocol):
@@ -76,8 +76,10 @@ def grow_top_tree(logits: torch.Tensor, children, expand, max_nodes: int, depth:
     return TokenTree(tuple(tokens), tuple(parents), tuple(draft_probs), tuple(node_q) if sampled else ())
 
 
-def growth_policy(config: DraftConfig) -> GrowthPolicy:
-    return GrowthPolicy(config.branch_threshold, config.grow_width, config.grow_min_relative, config.grow_max_depth)
+def growth_policy(config: DraftConfig, stop_token_ids=()) -> GrowthPolicy:
+    """stop_token_ids: the session's (the target's EOS ids), where a branch ends."""
+    return GrowthPolicy(config.branch_threshold, config.grow_width, config.grow_min_relative, config.grow_max_depth,
+                        frozenset(stop_token_ids))
 
 
 def chain_below(tree: GrowingTree, leaf: int, start: int) -> list[int]:
@@ -129,6 +131,7 @@ class GrowthRound:
         self.leaf = -1
         self._top, self._prob = -1, 0.0  # the model's next token at the last leaf _copy looked at, its prob
         self._last_rows: dict[int, torch.Tensor] = {}  # node -> next-token logits [V'], from the latest forward
+        self.stop: frozenset[int] = frozenset()  # the round's stop tokens (GrowthPolicy.stop_token_ids)
 
     def _logits(self, nodes: list[int]) -> torch.Tensor:
         """Next-token logits of ``nodes`` ([F, V']): one draft forward over those the latest call did not already run
@@ -162,6 +165,7 @@ class GrowthRound:
         orchestrator says how many nodes it sent for verification, growth stops and up to
         ``provisional_max`` tokens follow the best verified branch's leaf, one forward each, until closed."""
         tree = self.tree
+        self.stop = policy.stop_token_ids  # a branch ends at one: nothing past it is drafted, copied or drafted ahead
         start = time.perf_counter()
         for token, prob in seed:
             tree.add(len(tree) - 1, token, prob)
@@ -198,7 +202,8 @@ class GrowthRound:
             yield GrowthStep(node, (tree.token_ids[node],), (tree.parents[node],), (tree.draft_probs[node],),
                              provisional=True)
         drafted = len(ahead)
-        while drafted < provisional_max and leaf >= 0 and not control.closed:
+        while (drafted < provisional_max and leaf >= 0 and tree.token_ids[leaf] not in self.stop
+               and not control.closed):
             start, ran = time.perf_counter(), leaf not in self._last_rows  # a step with no forward reports 0 ms
             row = self._last_rows[leaf] if leaf in self._last_rows else self._logits([leaf])[0]  # [V']
             first = len(tree)
@@ -225,7 +230,7 @@ class GrowthRound:
         chance match then was the start of most of a pipelined tree of 25-31 nodes with 1-7 accepted, each a round trip
         lost across a network; bench/results/network_half_avx512_final/ngram_before.)"""
         path = [self.tree.token_ids[n] for n in self.tree.path_to(leaf)] if leaf >= 0 else []
-        span = self.lookup(path)[:limit] if self.lookup is not None else []  # [S]
+        span = until_stop(self.lookup(path), self.stop)[:limit] if self.lookup is not None else []  # [S]
         if row is None and len(span) < 2:
             return []
         row = row if row is not None else self._logits([leaf])[0]  # [V']

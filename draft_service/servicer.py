@@ -32,7 +32,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
     @grpc_errors
     def StartSession(self, request, context):
         self.drafter.start(request.session_id, list(request.prompt_token_ids), request.tokenizer_fingerprint,
-                           sampling_from_pb(request.sampling), request.target_identity)
+                           sampling_from_pb(request.sampling), request.target_identity, list(request.stop_token_ids))
         self.sweeper.touch(request.session_id)
         return draft_pb2.StartSessionResponse()
 

@@ -24,7 +24,7 @@ from specsplit.growth import GrowingTree, best_leaf
 from specsplit.lookup import LOOKUP_PROB, SpanLookup, span_hits, use_bridge, use_span
 from specsplit.provisional import follows, reconcile_provisional
 from specsplit.rpc import DraftInfo, RpcError, StatusCode
-from specsplit.tree import TokenTree, branch_below, union_trees
+from specsplit.tree import TokenTree, branch_below, union_trees, until_stop
 
 log = logging.getLogger("orchestrator.generation")
 
@@ -98,7 +98,8 @@ class DraftMixin:
         try:
             session.draft.start(session.id, session.token_ids, self.verifier_info.tokenizer_fingerprint,
                                 timeout=self.config.draft_timeout_s, sampling=session.sampling,
-                                target_identity=self.verifier_info.target_identity)
+                                target_identity=self.verifier_info.target_identity,
+                                stop_token_ids=self.verifier_info.eos_token_ids)
             session.unsent = []  # (features held for the draft stay: a fresh draft session starts its cache at them)
             session.state.draft_down_until = 0
         except RpcError as err:
@@ -107,9 +108,9 @@ class DraftMixin:
             self._draft_failed(session, err)
 
     def _propose(self, session: LiveSession, budget: int) -> tuple[TokenTree, float | None]:
-        if session.medusa:
-            return self._propose_medusa(session, budget)
-        return self._propose_draft(session, budget)
+        """A whole tree (lookup drafts, sampled sessions, Medusa), without what it drafted past an EOS token."""
+        tree, draft_ms = (self._propose_medusa if session.medusa else self._propose_draft)(session, budget)
+        return tree.ended_at(self.verifier_info.eos_token_ids), draft_ms
 
     def _propose_medusa(self, session: LiveSession, budget: int) -> tuple[TokenTree, float | None]:
         """The verifier's own Medusa tree (its cost is in verify_ms), merged with the n-gram lookup's tree
@@ -339,7 +340,7 @@ class DraftMixin:
         if session.lookup is None:
             session.lookup = SpanLookup()
         budget = min(self._max_nodes(session.draft), self.config.tree_max_nodes, max(remaining - 1, 0))
-        return session.lookup.span(session.token_ids)[:budget]
+        return until_stop(session.lookup.span(session.token_ids), self.verifier_info.eos_token_ids)[:budget]
 
     def _draft_replica_after(self, draft):
         """The next draft service of the same kind (a replica; any kind if this one's is unknown), in order."""

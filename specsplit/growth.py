@@ -9,7 +9,9 @@ Terms: a node's **confidence** is the product of the draft probabilities along i
 node's most probable child extends its branch, and any other candidate whose own probability is above
 ``branch_threshold`` opens a new branch. The next frontier is the new nodes, most confident first, at
 most ``max_width`` of them and only those within ``min_relative`` of the most confident one: weak
-branches stop, confident ones keep going deeper. Nothing is ever added past ``max_nodes``.
+branches stop, confident ones keep going deeper. Nothing is ever added past ``max_nodes``. A branch also
+ends at a stop token (``stop_token_ids``: the target's EOS): generation ends there, so nothing drafted after
+it could ever be committed.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class GrowthPolicy:
     max_width: int = 4  # frontier nodes per draft forward (one forward expands them all)
     min_relative: float = 0.05  # a branch below 5% of the best branch's confidence stops growing
     max_depth: int = 32  # draft forwards per tree at most
+    stop_token_ids: frozenset[int] = frozenset()  # a branch ends at one of these (the target's EOS ids)
 
 
 @dataclass
@@ -84,11 +87,13 @@ def children_to_add(tree: GrowingTree, frontier: list[int], candidates: list[lis
 
 
 def next_frontier(tree: GrowingTree, new_nodes: list[int], policy: GrowthPolicy) -> list[int]:
-    """The new nodes worth expanding: most confident first, at most max_width, within min_relative of the best."""
+    """The new nodes worth expanding: most confident first, at most max_width, within min_relative of the best
+    (a stop token's too); never a stop token (its branch is complete)."""
     if not new_nodes:
         return []
-    ranked = sorted(new_nodes, key=lambda n: -tree.confidence[n])
-    best = tree.confidence[ranked[0]]
+    best = max(tree.confidence[n] for n in new_nodes)
+    ranked = sorted((n for n in new_nodes if tree.token_ids[n] not in policy.stop_token_ids),
+                    key=lambda n: -tree.confidence[n])
     return [n for n in ranked[: policy.max_width] if tree.confidence[n] >= policy.min_relative * best]
 
 
@@ -101,7 +106,8 @@ def grow_tree(expand: Expand, max_nodes: int, policy: GrowthPolicy | None = None
     """
     policy = policy or GrowthPolicy()
     tree = tree if tree is not None else GrowingTree()
-    frontier = [-1] if frontier is None else list(frontier)
+    frontier = [n for n in ([-1] if frontier is None else frontier)
+                if n < 0 or tree.token_ids[n] not in policy.stop_token_ids]
     for _ in range(policy.max_depth):
         budget = max_nodes - len(tree)
         if budget <= 0 or not frontier:

@@ -345,12 +345,12 @@ class RemoteDraft:
                          r.target_identity)
 
     def start(self, session_id: str, prompt_token_ids: list[int], tokenizer_fingerprint: str, timeout: float,
-              sampling: SamplingParams | None = None, target_identity: str = "") -> None:
+              sampling: SamplingParams | None = None, target_identity: str = "", stop_token_ids=()) -> None:
         self.stub.StartSession(
             draft_pb2.StartSessionRequest(session_id=session_id, prompt_token_ids=prompt_token_ids,
                                           tokenizer_fingerprint=tokenizer_fingerprint,
                                           sampling=sampling_to_pb(sampling or SamplingParams()),
-                                          target_identity=target_identity),
+                                          target_identity=target_identity, stop_token_ids=list(stop_token_ids)),
             timeout=timeout,
         )
 

@@ -166,6 +166,27 @@ class TokenTree:
     def is_chain(self) -> bool:
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
+    def ended_at(self, stop_token_ids) -> "TokenTree":
+        """The tree without the nodes below a stop token (the target's EOS): generation ends at one, so nothing
+        after it could be committed. Node order is kept; parents are renumbered."""
+        kept: dict[int, int] = {-1: -1}  # old node -> new node
+        for node, (token, parent) in enumerate(zip(self.token_ids, self.parents)):
+            if parent in kept and (parent < 0 or self.token_ids[parent] not in stop_token_ids):
+                kept[node] = len(kept) - 1
+        if len(kept) - 1 == len(self):
+            return self
+        nodes = [n for n in kept if n >= 0]  # [K] old indices, in order
+        return TokenTree(tuple(self.token_ids[n] for n in nodes), tuple(kept[self.parents[n]] for n in nodes),
+                         tuple(self.draft_probs[n] for n in nodes) if self.draft_probs else (),
+                         tuple(self.node_q[n] for n in nodes) if self.node_q else ())
+
+
+def until_stop(token_ids, stop_token_ids) -> list[int]:
+    """``token_ids`` up to and including the first stop token (the target's EOS): nothing after it is committed."""
+    tokens = list(token_ids)
+    end = next((i + 1 for i, t in enumerate(tokens) if t in stop_token_ids), len(tokens))
+    return tokens[:end]
+
 
 def branch_below(parents, node: int) -> list[int]:
     """The deepest branch through ``node`` (the first deepest in index order): node indices from the root's child down

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specsplit.v1 import common_pb2 as specsplit_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specsplit/v1/draft.proto\x12\x0cspecsplit.v1\x1a\x19specsplit/v1/common.proto\"\x12\n\x10\x44raftInfoRequest\"\x96\x01\n\x11\x44raftInfoResponse\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x11\n\tmax_nodes\x18\x04 \x01(\r\x12\x16\n\x0ewants_features\x18\x05 \x01(\x08\x12\x17\n\x0ftarget_identity\x18\x06 \x01(\t\"\xab\x01\n\x13StartSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x17\n\x0ftarget_identity\x18\x05 \x01(\t\"\x16\n\x14StartSessionResponse\"\x92\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10\x63ommitted_length\x18\x03 \x01(\r\x12\x11\n\tmax_nodes\x18\x04 \x01(\r\x12(\n\x08\x66\x65\x61tures\x18\x05 \x03(\x0b\x32\x16.specsplit.v1.Features\"J\n\x0fProposeResponse\x12%\n\x04tree\x18\x01 \x01(\x0b\x32\x17.specsplit.v1.TokenTree\x12\x10\n\x08\x64raft_ms\x18\x02 \x01(\x01\"\'\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x14\n\x12\x45ndSessionResponse\"^\n\x10\x44raftTreeRequest\x12-\n\x05start\x18\x01 \x01(\x0b\x32\x1c.specsplit.v1.DraftTreeStartH\x00\x12\x13\n\tverifying\x18\x02 \x01(\rH\x00\x42\x06\n\x04kind\"X\n\x0e\x44raftTreeStart\x12-\n\x07propose\x18\x01 \x01(\x0b\x32\x1c.specsplit.v1.ProposeRequest\x12\x17\n\x0fprovisional_max\x18\x02 \x01(\r\"\x99\x01\n\nTreeGrowth\x12\r\n\x05\x66irst\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0f\n\x07parents\x18\x03 \x03(\x05\x12\x13\n\x0b\x64raft_probs\x18\x04 \x03(\x02\x12\x13\n\x0bprovisional\x18\x05 \x01(\x08\x12\x0c\n\x04\x64one\x18\x06 \x01(\x08\x12\x0e\n\x06seeded\x18\x07 \x01(\r\x12\x10\n\x08\x64raft_ms\x18\x08 \x01(\x01\x32\x95\x03\n\x0c\x44raftService\x12J\n\x07GetInfo\x12\x1e.specsplit.v1.DraftInfoRequest\x1a\x1f.specsplit.v1.DraftInfoResponse\x12U\n\x0cStartSession\x12!.specsplit.v1.StartSessionRequest\x1a\".specsplit.v1.StartSessionResponse\x12\x46\n\x07Propose\x12\x1c.specsplit.v1.ProposeRequest\x1a\x1d.specsplit.v1.ProposeResponse\x12O\n\nEndSession\x12\x1f.specsplit.v1.EndSessionRequest\x1a .specsplit.v1.EndSessionResponse\x12I\n\tDraftTree\x12\x1e.specsplit.v1.DraftTreeRequest\x1a\x18.specsplit.v1.TreeGrowth(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specsplit/v1/draft.proto\x12\x0cspecsplit.v1\x1a\x19specsplit/v1/common.proto\"\x12\n\x10\x44raftInfoRequest\"\x96\x01\n\x11\x44raftInfoResponse\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x11\n\tmax_nodes\x18\x04 \x01(\r\x12\x16\n\x0ewants_features\x18\x05 \x01(\x08\x12\x17\n\x0ftarget_identity\x18\x06 \x01(\t\"\xc3\x01\n\x13StartSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x17\n\x0ftarget_identity\x18\x05 \x01(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\"\x16\n\x14StartSessionResponse\"\x92\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10\x63ommitted_length\x18\x03 \x01(\r\x12\x11\n\tmax_nodes\x18\x04 \x01(\r\x12(\n\x08\x66\x65\x61tures\x18\x05 \x03(\x0b\x32\x16.specsplit.v1.Features\"J\n\x0fProposeResponse\x12%\n\x04tree\x18\x01 \x01(\x0b\x32\x17.specsplit.v1.TokenTree\x12\x10\n\x08\x64raft_ms\x18\x02 \x01(\x01\"\'\n\x11\x45ndSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x14\n\x12\x45ndSessionResponse\"^\n\x10\x44raftTreeRequest\x12-\n\x05start\x18\x01 \x01(\x0b\x32\x1c.specsplit.v1.DraftTreeStartH\x00\x12\x13\n\tverifying\x18\x02 \x01(\rH\x00\x42\x06\n\x04kind\"X\n\x0e\x44raftTreeStart\x12-\n\x07propose\x18\x01 \x01(\x0b\x32\x1c.specsplit.v1.ProposeRequest\x12\x17\n\x0fprovisional_max\x18\x02 \x01(\r\"\x99\x01\n\nTreeGrowth\x12\r\n\x05\x66irst\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0f\n\x07parents\x18\x03 \x03(\x05\x12\x13\n\x0b\x64raft_probs\x18\x04 \x03(\x02\x12\x13\n\x0bprovisional\x18\x05 \x01(\x08\x12\x0c\n\x04\x64one\x18\x06 \x01(\x08\x12\x0e\n\x06seeded\x18\x07 \x01(\r\x12\x10\n\x08\x64raft_ms\x18\x08 \x01(\x01\x32\x95\x03\n\x0c\x44raftService\x12J\n\x07GetInfo\x12\x1e.specsplit.v1.DraftInfoRequest\x1a\x1f.specsplit.v1.DraftInfoResponse\x12U\n\x0cStartSession\x12!.specsplit.v1.StartSessionRequest\x1a\".specsplit.v1.StartSessionResponse\x12\x46\n\x07Propose\x12\x1c.specsplit.v1.ProposeRequest\x1a\x1d.specsplit.v1.ProposeResponse\x12O\n\nEndSession\x12\x1f.specsplit.v1.EndSessionRequest\x1a .specsplit.v1.EndSessionResponse\x12I\n\tDraftTree\x12\x1e.specsplit.v1.DraftTreeRequest\x1a\x18.specsplit.v1.TreeGrowth(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,23 +37,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTINFORESPONSE']._serialized_start=90
   _globals['_DRAFTINFORESPONSE']._serialized_end=240
   _globals['_STARTSESSIONREQUEST']._serialized_start=243
-  _globals['_STARTSESSIONREQUEST']._serialized_end=414
-  _globals['_STARTSESSIONRESPONSE']._serialized_start=416
-  _globals['_STARTSESSIONRESPONSE']._serialized_end=438
-  _globals['_PROPOSEREQUEST']._serialized_start=441
-  _globals['_PROPOSEREQUEST']._serialized_end=587
-  _globals['_PROPOSERESPONSE']._serialized_start=589
-  _globals['_PROPOSERESPONSE']._serialized_end=663
-  _globals['_ENDSESSIONREQUEST']._serialized_start=665
-  _globals['_ENDSESSIONREQUEST']._serialized_end=704
-  _globals['_ENDSESSIONRESPONSE']._serialized_start=706
-  _globals['_ENDSESSIONRESPONSE']._serialized_end=726
-  _globals['_DRAFTTREEREQUEST']._serialized_start=728
-  _globals['_DRAFTTREEREQUEST']._serialized_end=822
-  _globals['_DRAFTTREESTART']._serialized_start=824
-  _globals['_DRAFTTREESTART']._serialized_end=912
-  _globals['_TREEGROWTH']._serialized_start=915
-  _globals['_TREEGROWTH']._serialized_end=1068
-  _globals['_DRAFTSERVICE']._serialized_start=1071
-  _globals['_DRAFTSERVICE']._serialized_end=1476
+  _globals['_STARTSESSIONREQUEST']._serialized_end=438
+  _globals['_STARTSESSIONRESPONSE']._serialized_start=440
+  _globals['_STARTSESSIONRESPONSE']._serialized_end=462
+  _globals['_PROPOSEREQUEST']._serialized_start=465
+  _globals['_PROPOSEREQUEST']._serialized_end=611
+  _globals['_PROPOSERESPONSE']._serialized_start=613
+  _globals['_PROPOSERESPONSE']._serialized_end=687
+  _globals['_ENDSESSIONREQUEST']._serialized_start=689
+  _globals['_ENDSESSIONREQUEST']._serialized_end=728
+  _globals['_ENDSESSIONRESPONSE']._serialized_start=730
+  _globals['_ENDSESSIONRESPONSE']._serialized_end=750
+  _globals['_DRAFTTREEREQUEST']._serialized_start=752
+  _globals['_DRAFTTREEREQUEST']._serialized_end=846
+  _globals['_DRAFTTREESTART']._serialized_start=848
+  _globals['_DRAFTTREESTART']._serialized_end=936
+  _globals['_TREEGROWTH']._serialized_start=939
+  _globals['_TREEGROWTH']._serialized_end=1092
+  _globals['_DRAFTSERVICE']._serialized_start=1095
+  _globals['_DRAFTSERVICE']._serialized_end=1500
 # @@protoc_insertion_point(module_scope)

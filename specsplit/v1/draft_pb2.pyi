@@ -28,18 +28,20 @@ class DraftInfoResponse(_message.Message):
     def __init__(self, drafter: _Optional[str] = ..., model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_nodes: _Optional[int] = ..., wants_features: _Optional[bool] = ..., target_identity: _Optional[str] = ...) -> None: ...
 
 class StartSessionRequest(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "tokenizer_fingerprint", "sampling", "target_identity")
+    __slots__ = ("session_id", "prompt_token_ids", "tokenizer_fingerprint", "sampling", "target_identity", "stop_token_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TARGET_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     tokenizer_fingerprint: str
     sampling: _common_pb2.SamplingParams
     target_identity: str
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target_identity: _Optional[str] = ...) -> None: ...
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target_identity: _Optional[str] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StartSessionResponse(_message.Message):
     __slots__ = ()

@@ -108,6 +108,26 @@ def test_a_request_s_last_tokens_join_the_last_tree(target, provisional):
             assert committed[-1] >= 3 and all(s.num_draft_tokens for s in stats), (max_new_tokens, committed)
 
 
+@pytest.mark.parametrize("provisional", [0, 8])
+def test_nothing_is_drafted_past_eos(provisional):
+    """A branch ends at the target's EOS: the draft grows nothing after it, copies nothing after it and drafts nothing
+    provisionally from it (generation ends there). With the target as its draft (a chain, all accepted) and fixed-24
+    trees, the tree that takes the EOS ends at it (before: it grew on to 24 nodes) and nothing drafted is wasted."""
+    target, same = tiny_loaded(seed=7), tiny_loaded(seed=7)
+    prompt = PROMPTS[1]
+    eos = hf_greedy(target.model, prompt, 20)[12]  # a token greedy decoding really emits
+    for model in (target, same):
+        model.model.generation_config.eos_token_id = eos
+    expected = hf_greedy(target.model, prompt, 80)
+    assert expected[-1] == eos and len(expected) <= 13
+    config = OrchestratorConfig(trigger="fixed", fixed_tree_nodes=24, provisional_max=provisional, share_estimates=False)
+    with start_stack(target, [ModelProposer(same, DraftConfig(grow_width=1))], orchestrator_config=config) as stack:
+        tokens, stats = run(stack, prompt, 80)
+    assert tokens == expected
+    assert stats[-1].tree_depth == stats[-1].num_accepted == stats[-1].num_committed  # the tree ends at the EOS
+    assert sum(s.wasted for s in stats) == 0, [(s.num_draft_tokens, s.num_accepted, s.wasted) for s in stats]
+
+
 @pytest.mark.parametrize("trigger", ["fixed", "goodput"])
 def test_no_tree_exceeds_the_verifier_s_node_budget(target, trigger):
     """Copied prompt-lookup spans (up to 16 tokens) and last round's kept provisional tokens (a seed as long as the

@@ -84,3 +84,34 @@ def test_continue_a_seeded_tree():
     steps = list(grow_tree(lambda f: [[(1, 0.9)] for _ in f], 4, tree=tree, frontier=[seed]))
     assert len(tree) == 4 and tree.parents == [-1, 0, 1, 2]
     assert steps[0].first == 1
+
+
+EOS = 7
+
+
+def test_a_branch_ends_at_a_stop_token():
+    """Nothing is drafted past the target's EOS (generation ends there): the EOS node is never expanded, and growth
+    ends once every live branch has reached one; a weak branch beside it stops as it would beside any other token."""
+    def expand(frontier, tree):
+        out = []
+        for node in frontier:
+            depth = 0 if node < 0 else len(tree.path_to(node))
+            out.append([(EOS, 0.9), (5, 0.05)] if depth == 2 else [(1, 0.95), (2, 0.35)])
+        return out
+
+    stop = GrowthPolicy(stop_token_ids=frozenset({EOS}))
+    tree, steps, calls = run(expand, 40, stop)
+    eos_nodes = [n for n, t in enumerate(tree.token_ids) if t == EOS]
+    assert eos_nodes and all(n not in frontier for frontier in calls for n in eos_nodes)
+    assert all(tree.parents[n] not in eos_nodes for n in range(len(tree)))  # no node below an EOS
+    assert len(calls) == 3  # root, depth 1, depth 2: then only EOS leaves (and the 5% branch) are left
+    unstopped, _, _ = run(expand, 40, GrowthPolicy())
+    assert len(unstopped) == 40 > len(tree)  # without the stop tokens it grows on past EOS to the budget
+
+
+def test_a_seeded_tree_ending_at_a_stop_token_does_not_grow():
+    tree = GrowingTree()
+    seed = tree.add(tree.add(-1, 1, 0.9), EOS, 0.9)
+    steps = list(grow_tree(lambda f: [[(1, 0.9)] for _ in f], 8, GrowthPolicy(stop_token_ids=frozenset({EOS})),
+                           tree=tree, frontier=[seed]))
+    assert steps == [] and len(tree) == 2

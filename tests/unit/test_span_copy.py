@@ -71,3 +71,33 @@ def test_probing_keeps_what_a_whole_check_keeps():
         kept = {first_step(round_).token_ids for round_, _ in runs.values()}
         assert kept == {tuple(range(1, cut + 1))}, cut
         assert runs["whole"][1] == [1, 9] and runs["probe"][1][:2] == [1, SPAN_PROBE]
+
+
+def run_round(span, stop, provisional_max=8):
+    """A whole round of the toy model with stop tokens: steps until done, then (all of them sent for verification)
+    the provisional steps; returns (growth steps, provisional steps)."""
+    round_, _ = toy_round(span)
+    control = GrowthControl()
+    grown, provisional = [], []
+    for step in round_.run([], 32, GrowthPolicy(max_depth=6, stop_token_ids=frozenset(stop)), control,
+                           provisional_max):
+        if step.done:
+            control.verify(len(round_.tree))
+        elif step.provisional:
+            provisional.append(step)
+            if len(provisional) == provisional_max:
+                control.close()
+        else:
+            grown.append(step)
+    return grown, provisional
+
+
+def test_a_copied_span_and_provisional_drafting_end_at_a_stop_token():
+    """The target's EOS ends a copied span (kept with it), the tree's growth after it, and provisional drafting: nothing
+    past it could be committed."""
+    grown, provisional = run_round(list(range(1, 17)), stop={4})
+    assert [t for s in grown for t in s.token_ids] == [1, 2, 3, 4] and provisional == []
+    grown, provisional = run_round([1, 2], stop={4})  # the model's own token 4 ends growth (1, 2 copied, then 3, 4)
+    assert [t for s in grown for t in s.token_ids] == [1, 2, 3, 4] and provisional == []
+    grown, provisional = run_round([1, 2], stop=set())  # no stop token: growth goes on, then provisional drafting
+    assert len([t for s in grown for t in s.token_ids]) > 4 and len(provisional) > 0

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from specsplit.errors import InvalidArgument, ResourceExhausted
-from specsplit.tree import TokenTree, branch_below, build_buffers, full_attention_mask, tree_attn_mask
+from specsplit.tree import (SparseDist, TokenTree, branch_below, build_buffers, full_attention_mask, tree_attn_mask,
+                            until_stop)
 
 
 def test_hand_drawn_tree_mask_and_positions():
@@ -88,3 +89,21 @@ def test_branch_below_is_the_deepest_branch_through_a_node():
     assert branch_below(parents, 2) == [0, 2]  # a leaf: its own path
     tree = TokenTree((5, 6, 7, 8, 9, 10), tuple(parents))
     assert tree.branch_below(0) == [0, 3, 5]
+
+
+def test_ended_at_drops_what_follows_a_stop_token():
+    #      0:a  1:EOS  2:b
+    #      |     |      |
+    #      3:c  4:d    5:EOS -- 6:e
+    tree = TokenTree((10, 2, 11, 12, 13, 2, 14), (-1, -1, -1, 0, 1, 2, 5), (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3))
+    ended = tree.ended_at({2})
+    assert ended.token_ids == (10, 2, 11, 12, 2) and ended.parents == (-1, -1, -1, 0, 2)
+    assert ended.draft_probs == (0.9, 0.8, 0.7, 0.6, 0.4)
+    assert tree.ended_at({99}) is tree and tree.ended_at(()) is tree
+    sampled = TokenTree((10, 2, 11), (-1, -1, 1), (0.5, 0.5, 0.5), (None, SparseDist((2,), (1.0,)), None))
+    assert sampled.ended_at({2}).node_q == (None, SparseDist((2,), (1.0,)))
+
+
+def test_until_stop_keeps_the_stop_token():
+    assert until_stop([5, 6, 2, 7, 2], {2}) == [5, 6, 2]
+    assert until_stop([5, 6], {2}) == [5, 6] and until_stop([], {2}) == []
