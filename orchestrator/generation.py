@@ -115,7 +115,7 @@ class Orchestrator(DraftMixin):
         session = LiveSession(state, draft, controller_from_state(state, self._max_nodes(draft, request.draft)),
                               TextStream(self.tokenizer, list(request.stop)), owned=True)
         self._set_draft_mode(session, request.draft)
-        session.burst = burst_sizer(state, self.config, draft is not None or session.medusa)
+        session.burst = burst_sizer(state, self.config, draft is not None or session.medusa, self.verifier_info)
         session.save_controller()
         with self._cancel_lock:  # (a Cancel that came before the session existed is honoured now)
             self.store.create(state)  # a taken session id is refused here
@@ -175,7 +175,7 @@ class Orchestrator(DraftMixin):
         session = LiveSession(state, draft, controller_from_state(state, self._max_nodes(draft, state.draft)),
                               text_stream_at(self.tokenizer, state, min(client_has, state.generated)), owned=owned)
         self._set_draft_mode(session, state.draft)
-        session.burst = burst_sizer(state, self.config, draft is not None or session.medusa)
+        session.burst = burst_sizer(state, self.config, draft is not None or session.medusa, self.verifier_info)
         if not owned:
             return session  # finished or cancelled: only what the client is missing is sent
         session.skip = max(0, client_has - state.generated)  # the store lost rounds the client had seen

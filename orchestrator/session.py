@@ -11,6 +11,7 @@ from orchestrator.controller import BudgetController
 from orchestrator.detok import TextStream
 from specsplit.features import Features
 from specsplit.lookup import SpanLookup
+from specsplit.rpc import VerifierInfo
 from specsplit.sampling import SamplingParams
 from specsplit.store import TERMINAL, SessionState
 from specsplit.stream import Chunk
@@ -122,11 +123,13 @@ def controller_from_state(state: SessionState, max_nodes: int) -> BudgetControll
     return BudgetController(**saved)
 
 
-def burst_sizer(state: SessionState, config, drafted: bool) -> BurstSizer:
+def burst_sizer(state: SessionState, config, drafted: bool, info: VerifierInfo) -> BurstSizer:
     """The session's decode-burst sizer (``orchestrator.burst``): one token a round for a seeded sampled
-    session with a draft (timings must not decide its rounds), else sized by the measured round trip."""
+    session with a draft (timings must not decide its rounds), else sized by the measured round trip; never more
+    than the verifier decodes in one Verify (``info.max_decode_steps`` after its first token)."""
     fixed = drafted and not state.sampling.greedy and state.sampling.seed is not None
-    return BurstSizer(config.burst_max, config.burst_overhead, fixed=fixed)
+    most = min(config.burst_max, info.max_decode_steps + 1) if info.max_decode_steps else config.burst_max
+    return BurstSizer(most, config.burst_overhead, fixed=fixed)
 
 
 def text_stream_at(tokenizer, state: SessionState, client_has: int) -> TextStream:

@@ -205,6 +205,7 @@ class VerifierInfo:
     target_identity: str = ""  # the exact target weights (a trained draft's manifest must name them)
     medusa: str = ""  # the Medusa heads' artifact name ("": no self-speculation there)
     medusa_max_nodes: int = 0
+    max_decode_steps: int = 0  # tokens a Verify decodes alone at most (0: not said, a verifier from before it did)
 
 
 @dataclass(frozen=True)
@@ -268,7 +269,8 @@ class RemoteVerifier:
     def info(self, timeout: float) -> VerifierInfo:
         r = self.stub.GetInfo(verifier_pb2.VerifierInfoRequest(), timeout=timeout)
         return VerifierInfo(r.model, r.tokenizer_fingerprint, r.vocab_size, r.max_context, r.max_tree_nodes,
-                            tuple(r.eos_token_ids), r.num_sessions, r.target_identity, r.medusa, r.medusa_max_nodes)
+                            tuple(r.eos_token_ids), r.num_sessions, r.target_identity, r.medusa, r.medusa_max_nodes,
+                            r.max_decode_steps)
 
     def healthy(self, timeout: float) -> bool:
         """grpc.health.v1 says the verifier service is SERVING."""

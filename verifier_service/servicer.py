@@ -35,6 +35,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             target_identity=target_identity(e.loaded),
             medusa=(e.medusa.name or "medusa") if e.medusa is not None else "",
             medusa_max_nodes=e.medusa.max_nodes if e.medusa is not None else 0,
+            max_decode_steps=e.config.max_decode_steps,
         )
 
     @grpc_errors

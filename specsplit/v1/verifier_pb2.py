@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specsplit.v1 import common_pb2 as specsplit_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecsplit/v1/verifier.proto\x12\x0cspecsplit.v1\x1a\x19specsplit/v1/common.proto\"\x15\n\x13VerifierInfoRequest\"\x94\x02\n\x14VerifierInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x16\n\x0emax_tree_nodes\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x14\n\x0cnum_sessions\x18\t \x01(\r\x12\x17\n\x0ftarget_identity\x18\n \x01(\t\x12\x0e\n\x06medusa\x18\x0b \x01(\t\x12\x18\n\x10medusa_max_nodes\x18\x0c \x01(\r\"\x97\x01\n\x0ePrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x17\n\x0freturn_features\x18\x04 \x01(\x08\x12\x0e\n\x06medusa\x18\x05 \x01(\x08\"\xab\x01\n\x0fPrefillResponse\x12\x18\n\x10\x63ommitted_length\x18\x01 \x01(\r\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12(\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x16.specsplit.v1.Features\x12)\n\x08proposal\x18\x04 \x01(\x0b\x32\x17.specsplit.v1.TokenTree\x12\x15\n\rcopied_tokens\x18\x05 \x01(\r\"\x97\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x04tree\x18\x02 \x01(\x0b\x32\x17.specsplit.v1.TokenTree\x12!\n\x19\x65xpected_committed_length\x18\x03 \x01(\r\x12\x12\n\nmax_commit\x18\x04 \x01(\r\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x05 \x01(\r\"\xa2\x02\n\x0eVerifyResponse\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x01 \x03(\x05\x12\x15\n\rnext_token_id\x18\x02 \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_node_indices\x18\x03 \x03(\x05\x12\x18\n\x10\x63ommitted_length\x18\x04 \x01(\r\x12\x11\n\tverify_ms\x18\x05 \x01(\x01\x12\x10\n\x08queue_ms\x18\x06 \x01(\x01\x12\x0f\n\x07\x63ost_ms\x18\x07 \x01(\x01\x12(\n\x08\x66\x65\x61tures\x18\x08 \x01(\x0b\x32\x16.specsplit.v1.Features\x12)\n\x08proposal\x18\t \x01(\x0b\x32\x17.specsplit.v1.TokenTree\x12\x19\n\x11\x64\x65\x63oded_token_ids\x18\n \x03(\x05\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\\\n\x14\x45xportSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12!\n\x19\x65xpected_committed_length\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\x97\x01\n\x07KvChunk\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x17\n\x0freturn_features\x18\x05 \x01(\x08\x12\x0e\n\x06medusa\x18\x06 \x01(\x08\"D\n\x15ImportSessionResponse\x12\x18\n\x10\x63ommitted_length\x18\x01 \x01(\r\x12\x11\n\timport_ms\x18\x02 \x01(\x01\x32\xd5\x03\n\x0fVerifierService\x12P\n\x07GetInfo\x12!.specsplit.v1.VerifierInfoRequest\x1a\".specsplit.v1.VerifierInfoResponse\x12\x46\n\x07Prefill\x12\x1c.specsplit.v1.PrefillRequest\x1a\x1d.specsplit.v1.PrefillResponse\x12\x43\n\x06Verify\x12\x1b.specsplit.v1.VerifyRequest\x1a\x1c.specsplit.v1.VerifyResponse\x12\x46\n\x07Release\x12\x1c.specsplit.v1.ReleaseRequest\x1a\x1d.specsplit.v1.ReleaseResponse\x12L\n\rExportSession\x12\".specsplit.v1.ExportSessionRequest\x1a\x15.specsplit.v1.KvChunk0\x01\x12M\n\rImportSession\x12\x15.specsplit.v1.KvChunk\x1a#.specsplit.v1.ImportSessionResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bspecsplit/v1/verifier.proto\x12\x0cspecsplit.v1\x1a\x19specsplit/v1/common.proto\"\x15\n\x13VerifierInfoRequest\"\xae\x02\n\x14VerifierInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x13\n\x0bmax_context\x18\x04 \x01(\r\x12\x16\n\x0emax_tree_nodes\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x14\n\x0cnum_sessions\x18\t \x01(\r\x12\x17\n\x0ftarget_identity\x18\n \x01(\t\x12\x0e\n\x06medusa\x18\x0b \x01(\t\x12\x18\n\x10medusa_max_nodes\x18\x0c \x01(\r\x12\x18\n\x10max_decode_steps\x18\r \x01(\r\"\x97\x01\n\x0ePrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x17\n\x0freturn_features\x18\x04 \x01(\x08\x12\x0e\n\x06medusa\x18\x05 \x01(\x08\"\xab\x01\n\x0fPrefillResponse\x12\x18\n\x10\x63ommitted_length\x18\x01 \x01(\r\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12(\n\x08\x66\x65\x61tures\x18\x03 \x01(\x0b\x32\x16.specsplit.v1.Features\x12)\n\x08proposal\x18\x04 \x01(\x0b\x32\x17.specsplit.v1.TokenTree\x12\x15\n\rcopied_tokens\x18\x05 \x01(\r\"\x97\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x04tree\x18\x02 \x01(\x0b\x32\x17.specsplit.v1.TokenTree\x12!\n\x19\x65xpected_committed_length\x18\x03 \x01(\r\x12\x12\n\nmax_commit\x18\x04 \x01(\r\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x05 \x01(\r\"\xa2\x02\n\x0eVerifyResponse\x12\x1a\n\x12\x61\x63\x63\x65pted_token_ids\x18\x01 \x03(\x05\x12\x15\n\rnext_token_id\x18\x02 \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_node_indices\x18\x03 \x03(\x05\x12\x18\n\x10\x63ommitted_length\x18\x04 \x01(\r\x12\x11\n\tverify_ms\x18\x05 \x01(\x01\x12\x10\n\x08queue_ms\x18\x06 \x01(\x01\x12\x0f\n\x07\x63ost_ms\x18\x07 \x01(\x01\x12(\n\x08\x66\x65\x61tures\x18\x08 \x01(\x0b\x32\x16.specsplit.v1.Features\x12)\n\x08proposal\x18\t \x01(\x0b\x32\x17.specsplit.v1.TokenTree\x12\x19\n\x11\x64\x65\x63oded_token_ids\x18\n \x03(\x05\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\\\n\x14\x45xportSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12!\n\x19\x65xpected_committed_length\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\x97\x01\n\x07KvChunk\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x17\n\x0freturn_features\x18\x05 \x01(\x08\x12\x0e\n\x06medusa\x18\x06 \x01(\x08\"D\n\x15ImportSessionResponse\x12\x18\n\x10\x63ommitted_length\x18\x01 \x01(\r\x12\x11\n\timport_ms\x18\x02 \x01(\x01\x32\xd5\x03\n\x0fVerifierService\x12P\n\x07GetInfo\x12!.specsplit.v1.VerifierInfoRequest\x1a\".specsplit.v1.VerifierInfoResponse\x12\x46\n\x07Prefill\x12\x1c.specsplit.v1.PrefillRequest\x1a\x1d.specsplit.v1.PrefillResponse\x12\x43\n\x06Verify\x12\x1b.specsplit.v1.VerifyRequest\x1a\x1c.specsplit.v1.VerifyResponse\x12\x46\n\x07Release\x12\x1c.specsplit.v1.ReleaseRequest\x1a\x1d.specsplit.v1.ReleaseResponse\x12L\n\rExportSession\x12\".specsplit.v1.ExportSessionRequest\x1a\x15.specsplit.v1.KvChunk0\x01\x12M\n\rImportSession\x12\x15.specsplit.v1.KvChunk\x1a#.specsplit.v1.ImportSessionResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,25 +35,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFIERINFOREQUEST']._serialized_start=72
   _globals['_VERIFIERINFOREQUEST']._serialized_end=93
   _globals['_VERIFIERINFORESPONSE']._serialized_start=96
-  _globals['_VERIFIERINFORESPONSE']._serialized_end=372
-  _globals['_PREFILLREQUEST']._serialized_start=375
-  _globals['_PREFILLREQUEST']._serialized_end=526
-  _globals['_PREFILLRESPONSE']._serialized_start=529
-  _globals['_PREFILLRESPONSE']._serialized_end=700
-  _globals['_VERIFYREQUEST']._serialized_start=703
-  _globals['_VERIFYREQUEST']._serialized_end=854
-  _globals['_VERIFYRESPONSE']._serialized_start=857
-  _globals['_VERIFYRESPONSE']._serialized_end=1147
-  _globals['_RELEASEREQUEST']._serialized_start=1149
-  _globals['_RELEASEREQUEST']._serialized_end=1185
-  _globals['_RELEASERESPONSE']._serialized_start=1187
-  _globals['_RELEASERESPONSE']._serialized_end=1222
-  _globals['_EXPORTSESSIONREQUEST']._serialized_start=1224
-  _globals['_EXPORTSESSIONREQUEST']._serialized_end=1316
-  _globals['_KVCHUNK']._serialized_start=1319
-  _globals['_KVCHUNK']._serialized_end=1470
-  _globals['_IMPORTSESSIONRESPONSE']._serialized_start=1472
-  _globals['_IMPORTSESSIONRESPONSE']._serialized_end=1540
-  _globals['_VERIFIERSERVICE']._serialized_start=1543
-  _globals['_VERIFIERSERVICE']._serialized_end=2012
+  _globals['_VERIFIERINFORESPONSE']._serialized_end=398
+  _globals['_PREFILLREQUEST']._serialized_start=401
+  _globals['_PREFILLREQUEST']._serialized_end=552
+  _globals['_PREFILLRESPONSE']._serialized_start=555
+  _globals['_PREFILLRESPONSE']._serialized_end=726
+  _globals['_VERIFYREQUEST']._serialized_start=729
+  _globals['_VERIFYREQUEST']._serialized_end=880
+  _globals['_VERIFYRESPONSE']._serialized_start=883
+  _globals['_VERIFYRESPONSE']._serialized_end=1173
+  _globals['_RELEASEREQUEST']._serialized_start=1175
+  _globals['_RELEASEREQUEST']._serialized_end=1211
+  _globals['_RELEASERESPONSE']._serialized_start=1213
+  _globals['_RELEASERESPONSE']._serialized_end=1248
+  _globals['_EXPORTSESSIONREQUEST']._serialized_start=1250
+  _globals['_EXPORTSESSIONREQUEST']._serialized_end=1342
+  _globals['_KVCHUNK']._serialized_start=1345
+  _globals['_KVCHUNK']._serialized_end=1496
+  _globals['_IMPORTSESSIONRESPONSE']._serialized_start=1498
+  _globals['_IMPORTSESSIONRESPONSE']._serialized_end=1566
+  _globals['_VERIFIERSERVICE']._serialized_start=1569
+  _globals['_VERIFIERSERVICE']._serialized_end=2038
 # @@protoc_insertion_point(module_scope)

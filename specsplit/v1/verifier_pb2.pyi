@@ -12,7 +12,7 @@ class VerifierInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierInfoResponse(_message.Message):
-    __slots__ = ("model", "tokenizer_fingerprint", "vocab_size", "max_context", "max_tree_nodes", "eos_token_ids", "device", "dtype", "num_sessions", "target_identity", "medusa", "medusa_max_nodes")
+    __slots__ = ("model", "tokenizer_fingerprint", "vocab_size", "max_context", "max_tree_nodes", "eos_token_ids", "device", "dtype", "num_sessions", "target_identity", "medusa", "medusa_max_nodes", "max_decode_steps")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class VerifierInfoResponse(_message.Message):
     TARGET_IDENTITY_FIELD_NUMBER: _ClassVar[int]
     MEDUSA_FIELD_NUMBER: _ClassVar[int]
     MEDUSA_MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     model: str
     tokenizer_fingerprint: str
     vocab_size: int
@@ -37,7 +38,8 @@ class VerifierInfoResponse(_message.Message):
     target_identity: str
     medusa: str
     medusa_max_nodes: int
-    def __init__(self, model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_sessions: _Optional[int] = ..., target_identity: _Optional[str] = ..., medusa: _Optional[str] = ..., medusa_max_nodes: _Optional[int] = ...) -> None: ...
+    max_decode_steps: int
+    def __init__(self, model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_sessions: _Optional[int] = ..., target_identity: _Optional[str] = ..., medusa: _Optional[str] = ..., medusa_max_nodes: _Optional[int] = ..., max_decode_steps: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("session_id", "prompt_token_ids", "sampling", "return_features", "medusa")

@@ -13,7 +13,7 @@ from draft_service.proposers import ModelProposer
 from orchestrator import drafts
 from orchestrator.trigger import make_trigger
 from specsplit.client import AsyncClient, Client
-from specsplit.config import DraftConfig, OrchestratorConfig
+from specsplit.config import DraftConfig, OrchestratorConfig, VerifierConfig
 from specsplit.launch import start_stack
 from tiny import hf_greedy, tiny_loaded, wait_for
 
@@ -199,6 +199,18 @@ def test_target_only_rounds_decode_in_bursts(target):
                                                       seed=5, draft="none"))
 
         assert sampled(stack.address) == sampled(single.address)
+
+
+def test_a_burst_never_asks_more_than_the_verifier_decodes(target):
+    """A verifier configured to decode fewer tokens alone per Verify than the orchestrator's --burst-max (it says how
+    many in GetInfo): bursts stop at its limit, where the generation failed with INVALID_ARGUMENT before."""
+    small = VerifierConfig(max_decode_steps=2)
+    eager = OrchestratorConfig(burst_max=16, burst_overhead=0.001)  # bursts as long as allowed
+    with start_stack(target, [], verifier_config=small, orchestrator_config=eager) as stack:
+        chunks = list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=40, draft="none"))
+    assert tokens_of(chunks) == hf_greedy(target.model, PROMPT, 40)
+    committed = [c.stats.num_committed for c in chunks if c.stats]
+    assert max(committed) == 3 and len(committed) < 20  # one token and two decoded alone a Verify
 
 
 def test_a_new_session_starts_from_the_latest_sessions_estimates(target, monkeypatch):
