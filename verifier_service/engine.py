@@ -86,9 +86,9 @@ class TargetEngine(KVTransfer):
 
     @property
     def eos_token_ids(self) -> list[int]:
+        """What HF ``generate`` stops at: the generation config's EOS ids (none: generation runs to its length; the
+        tokenizer's EOS token is not one then, or the output would end where the target's own decoding goes on)."""
         eos = self.model.generation_config.eos_token_id
-        if eos is None:
-            eos = self.loaded.tokenizer.eos_token_id
         return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
 
     def num_sessions(self) -> int:

@@ -6,7 +6,7 @@ from draft_service.ngram import NgramProposer
 from draft_service.proposers import ModelProposer
 from specsplit.config import DraftConfig, OrchestratorConfig
 from specsplit.launch import start_stack
-from tiny import PARITY_PROMPTS, generate_through, hf_greedy, tiny_loaded
+from tiny import EOS_ID, PARITY_PROMPTS, generate_through, hf_greedy, tiny_loaded
 
 PROMPTS = PARITY_PROMPTS
 
@@ -62,6 +62,18 @@ def test_target_only(target):
         tokens, stats, _ = run(stack, PROMPTS[0], 20, draft="none")
         assert tokens == hf_greedy(target.model, PROMPTS[0], 20)
         assert all(s.num_draft_tokens == 0 for s in stats)
+
+
+def test_a_target_without_eos_runs_on_like_hf():
+    """A generation config naming no EOS: HF greedy runs past the tokenizer's EOS token, and so does the stack (it
+    stopped there, 4 tokens short)."""
+    target = tiny_loaded(seed=2, eos=False)
+    prompt = [238, 163, 194, 216, 269, 84]
+    expected = hf_greedy(target.model, prompt, 30)
+    assert EOS_ID in expected[:-1] and len(expected) == 30  # the tokenizer's EOS, mid-output
+    with start_stack(target, []) as stack:
+        tokens, _, chunks = run(stack, prompt, 30, draft="none")
+    assert tokens == expected and chunks[-1].finish_reason == "length"
 
 
 def test_stops_at_eos_like_hf():
