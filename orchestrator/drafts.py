@@ -19,7 +19,7 @@ from opentelemetry import trace
 from orchestrator.placement import traced_thread
 from orchestrator.session import LiveSession
 from orchestrator.trigger import RoundOutcome, leaves_stub, make_trigger, tree_confidence
-from specsplit.errors import FailedPrecondition, InvalidArgument
+from specsplit.errors import FailedPrecondition, InvalidArgument, Unavailable
 from specsplit.growth import GrowingTree, best_leaf
 from specsplit.lookup import LOOKUP_PROB, SpanLookup, span_hits, use_bridge, use_span
 from specsplit.provisional import follows, reconcile_provisional
@@ -65,10 +65,16 @@ class DraftMixin:
             return None
         if choice == "auto":
             return self.drafts[0]
+        silent = []  # draft services whose kind is unknown: they did not answer (yet)
         for draft in self.drafts:
             info = self._draft_info_of(draft)
             if info is not None and info.drafter == choice:
                 return draft
+            if info is None:
+                silent.append(draft.address)
+        if silent:  # one of them may be that kind: not the request's fault, and worth a retry
+            raise Unavailable(f"no {choice!r} draft service answered: {', '.join(silent)} did not say what it drafts "
+                              f"in {self.config.draft_timeout_s:g} s; retry, or use --draft auto or none")
         raise InvalidArgument(f"no {choice!r} draft service is configured; this orchestrator has: "
                               f"{', '.join(self.draft_names()) or 'none'} (use --draft none or auto)")
 

@@ -4,10 +4,13 @@ import grpc
 import pytest
 
 from specsplit.client import Client
-from specsplit.launch import start_draft, start_stack
+from specsplit.config import OrchestratorConfig
+from specsplit.launch import start_draft, start_orchestrator, start_stack, start_verifier
 from specsplit.rpc import RemoteDraft, RemoteVerifier
 from specsplit.tree import TokenTree
+from draft_service.ngram import NgramProposer
 from draft_service.proposers import ModelProposer
+from redis_server import free_port
 from tiny import hf_greedy, tiny_loaded, tiny_tokenizer
 
 PROMPT = [258, 72, 101, 108, 108, 111]
@@ -116,6 +119,27 @@ def test_tokenizer_mismatch_is_refused(target):
         assert stack.verifier  # and nothing leaked: the verifier released the session
         verifier = RemoteVerifier(stack.verifier.address)
         assert verifier.release("anything", timeout=5) is False
+
+
+def test_a_draft_kind_asked_while_a_draft_service_is_silent_is_unavailable(target):
+    """--draft model while a configured draft service has not said what it drafts (not up yet, or too slow to answer):
+    UNAVAILABLE, retryable, naming it (it was INVALID_ARGUMENT "no 'model' draft service is configured", a refusal
+    to give up on); a kind another service has says so as before."""
+    silent = f"127.0.0.1:{free_port()}"  # nothing listens there
+    verifier, ngram = start_verifier(target), start_draft(NgramProposer())
+    orchestrator = start_orchestrator([verifier.address], [ngram.address, silent], target.tokenizer,
+                                      config=OrchestratorConfig(draft_timeout_s=0.5))
+    try:
+        def asks(draft):
+            return lambda: list(Client(orchestrator.address).generate(prompt_token_ids=PROMPT, max_new_tokens=4,
+                                                                      draft=draft))
+        code, details = code_of(asks("model"))
+        assert code == grpc.StatusCode.UNAVAILABLE and silent in details and "retry" in details
+        chunks = asks("ngram")()
+        assert [t for c in chunks for t in c.token_ids] == hf_greedy(target.model, PROMPT, 4)
+    finally:
+        for server in (orchestrator, ngram, verifier):
+            server.stop(0)
 
 
 def test_service_stays_up_after_errors(stack):
