@@ -19,6 +19,7 @@ class Replica:
     healthy: bool = True  # optimistic until a health check or a call says otherwise
     sessions: int = 0  # sessions this orchestrator placed here and has not released
     failed_checks: int = 0  # health checks failed in a row
+    cut: bool = False  # its calls in flight were cut short since it last passed a check
 
 
 class ReplicaSet:
@@ -27,7 +28,9 @@ class ReplicaSet:
     def __init__(self, clients: list, health_interval_s: float = 1.0, health_timeout_s: float = 1.0,
                  cut_after: int = 3):
         """cut_after: health checks failed in a row after which the replica's calls in flight are cut short (their
-        sessions move; 0: never): a hung replica or a partitioned link otherwise holds them to their deadline."""
+        sessions move; 0: never), once another replica passes its checks: a hung replica or a partitioned link
+        otherwise holds them to their deadline. With nowhere to move, they are left to answer (a replica too busy to
+        answer its checks, the only one, would otherwise fail every session it holds)."""
         if not clients:
             raise ValueError("at least one verifier replica is needed")
         self.replicas = [Replica(c.address, c) for c in clients]
@@ -86,11 +89,16 @@ class ReplicaSet:
                 log.warning("verifier replica %s failed its health check", replica.address)
             replica.healthy = ok
             replica.failed_checks = 0 if ok else replica.failed_checks + 1
-            if replica.failed_checks == self.cut_after and hasattr(replica.client, "cut_calls"):
+            replica.cut = replica.cut and not ok
+        for replica in self.replicas:
+            elsewhere = any(r.healthy for r in self.replicas if r is not replica)
+            if (self.cut_after and replica.failed_checks >= self.cut_after and not replica.cut and elsewhere
+                    and hasattr(replica.client, "cut_calls")):
+                replica.cut = True
                 cut = replica.client.cut_calls()
                 if cut:
                     log.warning("verifier replica %s failed %d health checks in a row: %d calls to it cut short (their "
-                                "sessions move)", replica.address, self.cut_after, cut)
+                                "sessions move)", replica.address, replica.failed_checks, cut)
 
     def _run(self, interval: float) -> None:
         while not self._stop.wait(interval):

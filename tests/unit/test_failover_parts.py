@@ -41,6 +41,44 @@ def test_pick_prefers_healthy_then_least_loaded_and_skips_excluded():
     assert [r.healthy for r in replicas] == [False, True, True]
 
 
+class HangingVerifier(FakeVerifier):
+    """Fails its health checks; counts how often its calls in flight were cut short."""
+
+    def __init__(self, address):
+        super().__init__(address, up=False)
+        self.cuts = 0
+
+    def cut_calls(self):
+        self.cuts += 1
+        return 1
+
+
+def test_calls_to_a_replica_failing_its_checks_are_cut_only_when_they_can_move():
+    """After cut_after failed checks in a row a replica's calls in flight are cut short once (their sessions move), but
+    not while no other replica passes its checks: the only replica, too busy to answer its checks, would otherwise fail
+    every session it holds (seen under a load average of 20: UNAVAILABLE 'no verifier replica is reachable')."""
+    alone = HangingVerifier("a")
+    replicas = ReplicaSet([alone], health_interval_s=0, cut_after=3)
+    for _ in range(5):
+        replicas.check()
+    assert alone.cuts == 0
+    hung, other = HangingVerifier("h"), FakeVerifier("o", up=False)
+    replicas = ReplicaSet([hung, other], health_interval_s=0, cut_after=3)
+    for _ in range(4):
+        replicas.check()
+    assert hung.cuts == 0  # the other one is down too: nowhere to move
+    other.up = True
+    for _ in range(3):
+        replicas.check()
+    assert hung.cuts == 1  # now they can move: cut once, not at every check
+    hung.up = True
+    replicas.check()
+    hung.up = False
+    for _ in range(3):
+        replicas.check()
+    assert hung.cuts == 2  # passed a check, then failed three again
+
+
 def test_pick_with_reserve_spreads_sessions_that_arrive_together():
     replicas = ReplicaSet([FakeVerifier("a"), FakeVerifier("b")], health_interval_s=0)
     picked = [replicas.pick(reserve=True).address for _ in range(6)]  # none has loaded yet
