@@ -170,7 +170,7 @@ class TokenTree:
         """The tree without the nodes below a stop token (the target's EOS): generation ends at one, so nothing
         after it could be committed. Node order is kept; parents are renumbered."""
         kept: dict[int, int] = {-1: -1}  # old node -> new node
-        for node, (token, parent) in enumerate(zip(self.token_ids, self.parents)):
+        for node, parent in enumerate(self.parents):
             if parent in kept and (parent < 0 or self.token_ids[parent] not in stop_token_ids):
                 kept[node] = len(kept) - 1
         if len(kept) - 1 == len(self):
