@@ -64,7 +64,8 @@ class Drafter:
             start = time.perf_counter()
             with tracer.start_as_current_span("specsplit.draft.propose") as span:
                 self._add_features(session_id, features, span)
-                tree = self.proposer.propose(session_id, session.token_ids, min(max_nodes, self.max_nodes))
+                tree = self.proposer.propose(session_id, session.token_ids, min(max_nodes, self.max_nodes),
+                                             session.stop_token_ids)
                 span.set_attribute("specsplit.num_draft_tokens", len(tree))
             return tree, (time.perf_counter() - start) * 1e3
 
@@ -81,7 +82,7 @@ class Drafter:
                 grow = getattr(self.proposer, "grow", None)
                 if grow is None:
                     start = time.perf_counter()
-                    tree = self.proposer.propose(session_id, session.token_ids, budget)
+                    tree = self.proposer.propose(session_id, session.token_ids, budget, session.stop_token_ids)
                     yield GrowthStep(0, tree.token_ids, tree.parents, tree.draft_probs, done=True,
                                      draft_ms=(time.perf_counter() - start) * 1e3)
                     return

@@ -101,8 +101,8 @@ class FeatureProposer:
                 skip = expected - chunk.first_position
                 session.pending.append(Features(expected, chunk.values[skip:]))
 
-    def propose(self, session_id: str, token_ids: list[int], max_nodes: int) -> TokenTree:
-        return self._runner(self._propose, self._sessions[session_id], token_ids, max_nodes)
+    def propose(self, session_id: str, token_ids: list[int], max_nodes: int, stop_token_ids=()) -> TokenTree:
+        return self._runner(self._propose, self._sessions[session_id], token_ids, max_nodes, frozenset(stop_token_ids))
 
     def grow(self, session_id: str, token_ids: list[int], max_nodes: int, control: GrowthControl,
              provisional_max: int = 0, stop_token_ids=()) -> Iterator[GrowthStep]:
@@ -111,7 +111,7 @@ class FeatureProposer:
         round's tree with their rows from this round. Sampling: the Propose path's tree, in one step."""
         session = self._sessions[session_id]
         if not session.sampling.greedy:
-            tree = self.propose(session_id, token_ids, max_nodes)
+            tree = self.propose(session_id, token_ids, max_nodes, stop_token_ids)
             yield GrowthStep(0, tree.token_ids, tree.parents, tree.draft_probs, done=True)
             return
         committed = len(token_ids)
@@ -186,7 +186,8 @@ class FeatureProposer:
             session.path_out = torch.stack([predicted[n] for n in with_rows])  # [P', H]
 
     # -- the model thread -------------------------------------------------------------------------------
-    def _propose(self, session: _FeatureSession, token_ids: list[int], max_nodes: int) -> TokenTree:
+    def _propose(self, session: _FeatureSession, token_ids: list[int], max_nodes: int,
+                 stop: frozenset[int] = frozenset()) -> TokenTree:
         committed = len(token_ids)
         self._catch_up(session, token_ids)
         if max_nodes <= 0 or session.last_out is None or session.start + session.num_rows != committed - 1:
@@ -211,7 +212,7 @@ class FeatureProposer:
         else:
             children = lambda logits, frontier, cum: self._top_children(logits, frontier, cum, top_k)  # noqa: E731
         return grow_top_tree(self._logits(session.last_out[None]), children, expand, max_nodes,
-                             self.config.model_depth, top_k, sampled)
+                             self.config.model_depth, top_k, sampled, stop)
 
     def _logits(self, features: torch.Tensor) -> torch.Tensor:
         """[F, H] -> [F, V'] what ``FeatureDrafter.logits`` computes, over the pre-gathered head."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 from specsplit.config import DraftConfig
 from specsplit.lookup import NgramIndex
 from specsplit.sampling import SamplingParams
-from specsplit.tree import TokenTree
+from specsplit.tree import TokenTree, until_stop
 
 
 class NgramProposer:
@@ -26,7 +26,7 @@ class NgramProposer:
         index.extend(list(prompt_token_ids))
         self._index[session_id] = index
 
-    def propose(self, session_id: str, token_ids: list[int], max_nodes: int) -> TokenTree:
+    def propose(self, session_id: str, token_ids: list[int], max_nodes: int, stop_token_ids=()) -> TokenTree:
         index = self._index[session_id]
         if index.tokens != token_ids[: len(index.tokens)]:  # history rewritten: rebuild
             index = NgramIndex(self.config.ngram_min, self.config.ngram_max)
@@ -34,7 +34,7 @@ class NgramProposer:
         index.extend(token_ids[len(index.tokens) :])
         if max_nodes <= 0:
             return TokenTree.empty()
-        paths = index.continuations(max_nodes, self.config.ngram_branches)
+        paths = [until_stop(p, stop_token_ids) for p in index.continuations(max_nodes, self.config.ngram_branches)]
         # Alternatives get short branches; the most recent match gets the rest of the budget.
         alt_len = max(1, max_nodes // 4)
         alts = [p[:alt_len] for p in paths[1:]]

@@ -37,7 +37,8 @@ class Proposer(Protocol):
 
     def start(self, session_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None: ...
 
-    def propose(self, session_id: str, token_ids: list[int], max_nodes: int) -> TokenTree: ...
+    def propose(self, session_id: str, token_ids: list[int], max_nodes: int, stop_token_ids=()) -> TokenTree:
+        """A whole tree after ``token_ids``; no node below one whose token is in ``stop_token_ids``."""
 
     def end(self, session_id: str, idle: threading.Event | None = None) -> None:
         """idle: set once no round of the session runs any more; its state may then serve a later session that
@@ -150,7 +151,7 @@ class ModelProposer:
                            use_cache=True, logits_to_keep=logits_to_keep, **{self._cache_kwarg: cache})
         return out.logits[0].float()  # [Q, V]
 
-    def propose(self, session_id: str, token_ids: list[int], max_nodes: int) -> TokenTree:
+    def propose(self, session_id: str, token_ids: list[int], max_nodes: int, stop_token_ids=()) -> TokenTree:
         session = self._session(session_id)
         session.path_tokens, session.path_probs = [], []
         if max_nodes <= 0:
@@ -168,7 +169,7 @@ class ModelProposer:
             children = lambda logits, frontier, cum: self._top_children(logits, frontier, cum, top_k)  # noqa: E731
         tree = grow_top_tree(logits, children,
                              lambda tree, frontier: self._expand(session.cache, committed, tree, slot, frontier),
-                             max_nodes, self.config.model_depth, top_k, sampled)
+                             max_nodes, self.config.model_depth, top_k, sampled, frozenset(stop_token_ids))
         kvcache.truncate(session.cache, committed)
         return tree
 
@@ -184,7 +185,7 @@ class ModelProposer:
         """
         session = self._session(session_id)
         if not session.sampling.greedy:  # sampled trees need exact q per draw: the Propose path's trees
-            tree = self.propose(session_id, token_ids, max_nodes)
+            tree = self.propose(session_id, token_ids, max_nodes, stop_token_ids)
             yield GrowthStep(0, tree.token_ids, tree.parents, tree.draft_probs, done=True)
             return
         committed = len(token_ids)
@@ -360,9 +361,9 @@ class CombinedProposer:
     def add_features(self, session_id: str, chunks) -> None:
         self.model.add_features(session_id, chunks)
 
-    def propose(self, session_id: str, token_ids: list[int], max_nodes: int) -> TokenTree:
-        lookup = self.ngram.propose(session_id, token_ids, max_nodes)
-        drafted = self.model.propose(session_id, token_ids, max_nodes - len(lookup))
+    def propose(self, session_id: str, token_ids: list[int], max_nodes: int, stop_token_ids=()) -> TokenTree:
+        lookup = self.ngram.propose(session_id, token_ids, max_nodes, stop_token_ids)
+        drafted = self.model.propose(session_id, token_ids, max_nodes - len(lookup), stop_token_ids)
         return union_trees(lookup, drafted, max_nodes, merge=not self._sampled[session_id])
 
     def end(self, session_id: str, idle: threading.Event | None = None) -> None:

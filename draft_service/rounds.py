@@ -41,14 +41,15 @@ def draft_sampling(sampling: SamplingParams | None, q_top_k: int) -> tuple[Sampl
 
 
 def grow_top_tree(logits: torch.Tensor, children, expand, max_nodes: int, depth: int, top_k: int,
-                  sampled: bool) -> TokenTree:
+                  sampled: bool, stop: frozenset[int] = frozenset()) -> TokenTree:
     """A draft tree grown depth by depth, one draft forward per depth for the whole frontier.
 
     logits: [1, V] the draft's next-token scores after the root. ``children(logits, frontier, cum)`` gives
     the frontier's candidate children (cum_prob, parent, token, q, dist) in order; ``expand(tree, frontier)``
     runs the frontier nodes and returns their next-token scores [F, V]. Greedy keeps at most 2 * top_k
     candidates per depth; the first candidate (the greedy chain's child) and the top_k - 1 most probable
-    others are expanded. Sampled candidates are kept or cut as a prefix of their draws, never by value.
+    others are expanded, never one whose token is in ``stop`` (the target's EOS ids: generation ends there).
+    Sampled candidates are kept or cut as a prefix of their draws, never by value.
     """
     tokens: list[int] = []
     parents: list[int] = []
@@ -69,9 +70,10 @@ def grow_top_tree(logits: torch.Tensor, children, expand, max_nodes: int, depth:
             draft_probs.append(q)
             node_q.append(dist)
             cum.append(c)
-        if len(tokens) >= max_nodes or level == depth:
+        open_nodes = [n for n in new_nodes if tokens[n] not in stop]  # [O] a branch ends at a stop token
+        if len(tokens) >= max_nodes or level == depth or not open_nodes:
             break
-        frontier = [new_nodes[0], *sorted(new_nodes[1:], key=lambda n: -cum[n])[: top_k - 1]]
+        frontier = [open_nodes[0], *sorted(open_nodes[1:], key=lambda n: -cum[n])[: top_k - 1]]
         logits = expand(TokenTree(tuple(tokens), tuple(parents)), frontier)  # [F, V]
     return TokenTree(tuple(tokens), tuple(parents), tuple(draft_probs), tuple(node_q) if sampled else ())
 

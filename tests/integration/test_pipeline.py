@@ -27,9 +27,9 @@ def tokens_of(chunks):
 class SlowNgram(NgramProposer):
     """A draft that has become slow (a fault injected into a real proposer)."""
 
-    def propose(self, session_id, token_ids, max_nodes):
+    def propose(self, session_id, token_ids, max_nodes, stop_token_ids=()):
         time.sleep(0.5)
-        return super().propose(session_id, token_ids, max_nodes)
+        return super().propose(session_id, token_ids, max_nodes, stop_token_ids)
 
 
 def test_draft_down_falls_back_to_target_only(target):

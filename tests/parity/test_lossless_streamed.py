@@ -8,10 +8,12 @@ afresh (share_estimates off), so each one drafts before goodput may settle on ta
 
 import pytest
 
+from draft_service.drafter import Drafter
 from draft_service.proposers import ModelProposer
 from specsplit.client import Client
 from specsplit.config import DraftConfig, OrchestratorConfig, VerifierConfig
 from specsplit.launch import start_stack
+from specsplit.sampling import SamplingParams
 from tiny import delay_relay, hf_greedy, span_exporter, tiny_loaded
 
 PROMPTS = [
@@ -126,6 +128,28 @@ def test_nothing_is_drafted_past_eos(provisional):
     assert tokens == expected
     assert stats[-1].tree_depth == stats[-1].num_accepted == stats[-1].num_committed  # the tree ends at the EOS
     assert sum(s.wasted for s in stats) == 0, [(s.num_draft_tokens, s.num_accepted, s.wasted) for s in stats]
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_whole_tree_ends_at_eos_too(sampled):
+    """The Propose path's whole trees (sampled sessions' model drafts, lookup drafts) end at the target's EOS like
+    grown ones: the draft expands no node whose token is a stop token (before, the orchestrator cut what it drafted
+    below one, so the draft's forwards for those nodes were spent for nothing). Seeded draws: the same first level."""
+    model = tiny_loaded(seed=0, layers=2)
+    sampling = SamplingParams(temperature=1.0, seed=3) if sampled else SamplingParams()
+    prompt = PROMPTS[1]
+
+    def tree_for(stop):
+        drafter = Drafter(ModelProposer(model, DraftConfig(model_top_k=3, model_depth=5)))
+        drafter.start("s", prompt, model.fingerprint, sampling=sampling, stop_token_ids=stop)
+        return drafter.propose("s", [], len(prompt), 24)[0]
+
+    free = tree_for(())
+    expanded = [p for p in free.parents if p >= 0 and free.parents[p] < 0]  # first-level nodes with children
+    stop = (free.token_ids[expanded[0]],)
+    ended = tree_for(stop)
+    assert stop[0] in ended.token_ids  # the same draws reach it ...
+    assert all(p < 0 or ended.token_ids[p] not in stop for p in ended.parents)  # ... and nothing is drafted below it
 
 
 @pytest.mark.parametrize("trigger", ["fixed", "goodput"])

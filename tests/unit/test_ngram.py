@@ -71,3 +71,12 @@ def test_span_hits_count_what_the_target_committed_as_far_as_both_go():
     for _ in range(2):  # two wrong spans in a row stop spans being verified without the draft
         hits = span_hits(hits, [4, 5], [8])
     assert not use_span([4, 5], [], hits)
+
+
+def test_a_lookup_path_ends_at_a_stop_token():
+    """Nothing after the target's EOS can be committed: a looked-up continuation is cut there."""
+    proposer = NgramProposer(DraftConfig(ngram_branches=1))
+    tokens = [1, 2, 10, 20, 11, 12, 13, 5, 1, 2]
+    proposer.start("s", tokens)
+    assert proposer.propose("s", tokens, max_nodes=5).token_ids == (10, 20, 11, 12, 13)
+    assert proposer.propose("s", tokens, max_nodes=5, stop_token_ids=(11,)).token_ids == (10, 20, 11)
