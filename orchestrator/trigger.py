@@ -190,10 +190,9 @@ class GoodputThreshold:
         drafting on from a token the target will probably reject is waste, or once the nodes still missing
         would cost more waiting than they bring (``_waiting_pays``). ``kept``: the tree is last round's kept
         provisional tokens and the draft has not run this round yet (growing it costs the draft's catch-up
-        forward too). ``fresh``: the round had no kept
-        provisional tokens (a session's first round, or after a rejection): the verifier waits for every node of
-        such a tree, so it is verified at half ``pipeline_nodes``, and the draft makes the rest of the next tree
-        during that verification. (Measured at RTT 100 ms: growing the whole ~11 nodes first put goodput's first
+        forward too). ``fresh``: the round had no kept provisional tokens (a session's first round, or after
+        a rejection): the verifier waits for every node of such a tree, so it is verified at half
+        ``pipeline_nodes``, and the draft makes the rest of the next tree during that verification. (Measured at RTT 100 ms: growing the whole ~11 nodes first put goodput's first
         tokens 330 ms behind fixed-4's, bench/results/network_half_avx512 run 2.)
 
         (Tried on the AVX2 CPU of README "With the half draft": the α rule past ``pipeline_nodes``. With draft and
@@ -208,7 +207,7 @@ class GoodputThreshold:
             if fresh:
                 return num_nodes >= math.ceil(size / 2) or not self.provisional_worth(confidence)
             return (num_nodes >= size or not self.provisional_worth(confidence)
-                    or not self._waiting_pays(num_nodes, size - num_nodes + kept))
+                    or not self._waiting_pays(num_nodes, size - num_nodes + (1 if kept else 0)))
         return confidence < self.alpha
 
     def _waiting_pays(self, num_nodes: int, forwards: int) -> bool:
