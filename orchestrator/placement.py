@@ -140,7 +140,7 @@ class KvPlacement:
         state, tokens = session.state, session.token_ids
         session.used.add(replica.address)  # (a load that times out may still have made a copy there)
         if not fresh:  # a stale copy (an earlier owner's, or a timed-out call's) would refuse the load
-            self._release_on(replica, session.id, even_if_down=True)  # (the load goes there anyway)
+            self._release_on(replica, session.id)
         with tracer.start_as_current_span("specsplit.orchestrator.restore") as span:
             span.set_attribute("specsplit.replica", replica.address)
             span.set_attribute("specsplit.committed_length", len(tokens))
@@ -332,9 +332,9 @@ class KvPlacement:
         if replica is not None:
             self._release_on(replica, session_id)
 
-    def _release_on(self, replica: Replica, session_id: str, even_if_down: bool = False) -> None:
-        if not (replica.healthy or even_if_down):
-            return  # a dead replica's caches died with it; a revived one sweeps idle sessions itself
+    def _release_on(self, replica: Replica, session_id: str) -> None:
+        # Sent to a replica marked down too: "down" may only mean that one call (of any session) missed its deadline
+        # there, and the replica, alive, still holds this cache (a dead one fails the call at once or at its deadline).
         try:
             replica.client.release(session_id, timeout=self.config.draft_timeout_s)
         except RpcError as err:

@@ -1,5 +1,6 @@
 """Many concurrent sessions through the real gRPC services share the verifier's batches, and each one
-still produces exactly its own HF greedy tokens; a full verifier answers RESOURCE_EXHAUSTED at once."""
+still produces exactly its own HF greedy tokens; a full verifier answers RESOURCE_EXHAUSTED at once; a session
+that ends is released on its verifier even while another call past its deadline has the replica marked down."""
 
 import random
 import threading
@@ -9,11 +10,12 @@ import grpc
 import pytest
 
 from draft_service.ngram import NgramProposer
+from orchestrator.requests import GenerationRequest
 from specsplit.client import Client
-from specsplit.config import DraftConfig, VerifierConfig
-from specsplit.launch import start_stack
+from specsplit.config import DraftConfig, OrchestratorConfig, VerifierConfig
+from specsplit.launch import start_orchestrator, start_stack, start_verifier
 from specsplit.rpc import RemoteVerifier
-from tiny import hf_greedy, tiny_loaded, wait_for
+from tiny import delay_relay, hf_greedy, tiny_loaded, wait_for
 
 SESSIONS = 32
 
@@ -82,3 +84,42 @@ def test_full_verifier_is_resource_exhausted_through_the_orchestrator(target):
         tokens = [t for c in Client(stack.address).generate(prompt_token_ids=[258, 7, 8], max_new_tokens=4)
                   for t in c.token_ids]
         assert tokens == hf_greedy(target.model, [258, 7, 8], 4)
+
+
+def test_a_session_that_ends_while_another_s_deadline_marked_its_replica_down_is_released(target):
+    """One session's call past its deadline marks the replica down, though it is alive and holds every other session's
+    cache; a session that ends then must still be released there, not left to the verifier's idle timeout (48
+    generations at 0.3 s Verify / 0.5 s Prefill deadlines left up to 10 sessions held). The verifier is 100 ms away
+    (the benchmark's delaying TCP relay), so a 30 ms deadline is missed for sure."""
+    config = OrchestratorConfig(health_interval_s=0)  # no health checks: the replica stays as the failed call left it
+    verifier = start_verifier(target)
+    try:
+        with delay_relay(verifier.address, 100) as relay:
+            orchestrator = start_orchestrator(relay.address, [], target.tokenizer, config=config)
+            core, engine = orchestrator.core, verifier.core
+            try:
+                # Session A (the orchestrator's own generate): held after its last round, before it settles.
+                a = core.generate(GenerationRequest([258, 7, 8, 9], 4, draft="none"))
+                chunks = [next(a)]
+                while not chunks[-1].finish_reason:
+                    chunks.append(next(a))
+                assert [t for c in chunks for t in c.token_ids] == hf_greedy(target.model, [258, 7, 8, 9], 4)
+                assert engine.num_sessions() == 1
+                # Session B over gRPC: its Prefill misses its deadline, which marks the replica down; with no other
+                # replica B fails UNAVAILABLE.
+                config.prefill_timeout_s = 0.03
+                with pytest.raises(grpc.RpcError) as info:
+                    list(Client(orchestrator.address).generate(prompt_token_ids=[258, 5, 6], max_new_tokens=4,
+                                                                draft="none"))
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert not core.replicas.replicas[0].healthy
+                with pytest.raises(StopIteration):  # A settles now: its cache must be released
+                    next(a)
+                assert wait_for(lambda: core.generating() == 0)
+                assert wait_for(lambda: engine.num_sessions() == 0), engine.num_sessions()  # A's, and B's
+            finally:
+                orchestrator.stop(0)
+                core.close()
+    finally:
+        verifier.stop(0)
+        verifier.core.close()
