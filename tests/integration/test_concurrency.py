@@ -89,8 +89,8 @@ def test_full_verifier_is_resource_exhausted_through_the_orchestrator(target):
 def test_a_session_that_ends_while_another_s_deadline_marked_its_replica_down_is_released(target):
     """One session's call past its deadline marks the replica down, though it is alive and holds every other session's
     cache; a session that ends then must still be released there, not left to the verifier's idle timeout (48
-    generations at 0.15-0.3 s Verify / 0.3-0.5 s Prefill deadlines left up to 10 sessions held). The verifier is 100 ms away
-    (the benchmark's delaying TCP relay), so a 30 ms deadline is missed for sure."""
+    generations at 0.15-0.3 s Verify / 0.3-0.5 s Prefill deadlines left up to 10 sessions held). The verifier is
+    100 ms away (the benchmark's delaying TCP relay), so a 30 ms deadline is missed for sure."""
     config = OrchestratorConfig(health_interval_s=0)  # no health checks: the replica stays as the failed call left it
     verifier = start_verifier(target)
     try:
