@@ -13,6 +13,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry import trace
 
 from specsplit.errors import InvalidArgument, SpecSplitError, Unavailable
 from specsplit.tls import TLS
@@ -112,7 +113,31 @@ def _traced(method: str) -> bool:
 def server_interceptors() -> list:
     from opentelemetry.instrumentation.grpc import server_interceptor
 
-    return [server_interceptor(filter_=lambda details: _traced(details.method))]
+    return [server_interceptor(_RpcSpanNames(), filter_=lambda details: _traced(details.method))]
+
+
+class _RpcSpanNames(trace.TracerProvider):
+    """This process's tracer provider (whichever is set when a call comes), but for one thing: server spans are
+    named as the RPC semantic conventions and OpenTelemetry's own client spans name them, "{rpc.service}/{rpc.method}"
+    (e.g. ``specsplit.v1.VerifierService/Verify``); its gRPC server interceptor names them by the call's path, with a
+    leading slash, so a dashboard showed each call's client and server side under two names."""
+
+    def get_tracer(self, *args, **kwargs) -> trace.Tracer:
+        return _RpcSpanTracer(args, kwargs)
+
+
+class _RpcSpanTracer(trace.Tracer):
+    def __init__(self, args: tuple, kwargs: dict):
+        self._args, self._kwargs = args, kwargs
+
+    def _tracer(self) -> trace.Tracer:
+        return trace.get_tracer_provider().get_tracer(*self._args, **self._kwargs)
+
+    def start_span(self, name: str, *args, **kwargs) -> trace.Span:
+        return self._tracer().start_span(name.lstrip("/"), *args, **kwargs)
+
+    def start_as_current_span(self, name: str, *args, **kwargs):
+        return self._tracer().start_as_current_span(name.lstrip("/"), *args, **kwargs)
 
 
 class _CallDetails(
