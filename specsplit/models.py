@@ -103,15 +103,43 @@ def sha256_file(path: pathlib.Path) -> str:
 def default_target_dir() -> pathlib.Path:
     """The fp32 safetensors copy of the default target, made from the GGUF on first use."""
     target = cache_dir() / f"{DEFAULT_TARGET}-{DEFAULT_GGUF_SHA256[:12]}"
+    return built_once(target, _convert_default)
+
+
+def built_once(target: pathlib.Path, build) -> pathlib.Path:
+    """``target``, a directory ``build(staging)`` fills, built by one process however many ask at once: under a file
+    lock beside it, the first builds into a staging directory and renames it in with a ``complete`` marker; the others
+    wait and use it. A complete directory is never replaced. (Without the lock, a draft and an orchestrator started
+    together on a fresh box each converted the model, and one deleted the directory the other was loading from:
+    "cannot load the tokenizer ... install sentencepiece".)"""
     if (target / "complete").exists():
         return target
+    import fcntl
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when the process dies
+        if (target / "complete").exists():
+            return target  # another process built it while this one waited
+        staging = pathlib.Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
+        try:
+            build(staging)
+            if target.exists():
+                shutil.rmtree(target)  # an incomplete one, left by a process that died building it
+            staging.rename(target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _convert_default(staging: pathlib.Path) -> None:
     gguf = default_gguf_path()
     digest = sha256_file(gguf)
     if digest != DEFAULT_GGUF_SHA256:
         raise FailedPrecondition(
             f"{gguf} has sha256 {digest}, expected {DEFAULT_GGUF_SHA256}; reinstall with `{INSTALL_HINT}`"
         )
-    log.info("converting %s to an fp32 safetensors cache in %s (once)", gguf.name, target)
+    log.info("converting %s to an fp32 safetensors cache (once)", gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The dequantized weights are plain fp32; drop the GGUF quantizer so save/load treat them as such.
@@ -119,18 +147,9 @@ def default_target_dir() -> pathlib.Path:
         del model.config.quantization_config
     model.hf_quantizer = None
     model.config.name_or_path = DEFAULT_TARGET
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = pathlib.Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
-    try:
-        model.save_pretrained(staging, safe_serialization=True)
-        tokenizer.save_pretrained(staging)
-        (staging / "complete").write_text(json.dumps({"gguf": str(gguf), "sha256": digest}))
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    model.save_pretrained(staging, safe_serialization=True)
+    tokenizer.save_pretrained(staging)
+    (staging / "complete").write_text(json.dumps({"gguf": str(gguf), "sha256": digest}))
 
 
 def model_path(spec: str | os.PathLike | None) -> pathlib.Path:
@@ -162,8 +181,8 @@ def _loaded(path, part: str, load):
 
 
 def load_model(spec: str | os.PathLike | None, device: str | None = "auto", dtype: str | torch.dtype | None = "float32") -> LoadedModel:
-    path = model_path(spec)
     where, dtype = resolve_device(device), resolve_dtype(dtype)  # a wrong device or dtype fails before loading
+    path = model_path(spec)  # (or before the default's first conversion)
     tokenizer = _loaded(path, "tokenizer", lambda: AutoTokenizer.from_pretrained(path))
     model = _loaded(path, "model weights", lambda: AutoModelForCausalLM.from_pretrained(path, dtype=dtype))
     model.to(where).eval()
