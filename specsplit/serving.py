@@ -30,6 +30,10 @@ CHANNEL_OPTIONS = [
     # Each channel its own connections: a new channel to an address whose server stopped a moment ago (a restarted
     # replica, a test's next stack on a reused port) does not inherit that connection's failure and backoff.
     ("grpc.use_local_subchannel_pool", 1),
+    # A server that went away is tried again at least every 2 s: gRPC's backoff grows to 120 s by default, so an
+    # orchestrator refused work for a minute or more after its verifier was back from a restart.
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 # A server owns its port: with gRPC's default SO_REUSEPORT a second server on a port in use started "serving" and
 # took a share of the connections.

@@ -1,5 +1,7 @@
 """Bad input gets the right gRPC status and a message a person can act on; the services stay up."""
 
+import time
+
 import grpc
 import pytest
 
@@ -11,7 +13,7 @@ from specsplit.tree import TokenTree
 from draft_service.ngram import NgramProposer
 from draft_service.proposers import ModelProposer
 from redis_server import free_port
-from tiny import hf_greedy, tiny_loaded, tiny_tokenizer
+from tiny import hf_greedy, tiny_loaded, tiny_tokenizer, wait_for
 
 PROMPT = [258, 72, 101, 108, 108, 111]
 
@@ -240,3 +242,27 @@ def test_generations_past_max_streams_are_refused_at_once(target, monkeypatch):
                     time.sleep(0.05)
             assert [t for c in chunks for t in c.token_ids] == hf_greedy(target.model, PROMPT, 4)
             running[1].cancel()
+
+
+def test_a_verifier_back_from_a_restart_is_reached_within_seconds():
+    """A channel to a server that stopped retries it at least every 2 s however long it was gone: with gRPC's
+    default backoff (to 120 s) an orchestrator refused work for a minute after its verifier was back (after 12 s away
+    its next try was ~7 s off here)."""
+    target = tiny_loaded(seed=0, layers=1)
+    address = f"127.0.0.1:{free_port()}"
+    server = start_verifier(target, address)
+    client = RemoteVerifier(address)
+    try:
+        assert client.healthy(2.0)
+        server.stop(0)
+        away = time.monotonic() + 12
+        while time.monotonic() < away:  # the orchestrator's health checks meanwhile
+            assert not client.healthy(0.5)
+            time.sleep(0.5)
+        server = start_verifier(target, address)
+        back = time.monotonic()
+        assert wait_for(lambda: client.healthy(0.5), timeout=10)
+        assert time.monotonic() - back < 3.5
+    finally:
+        client.close()
+        server.stop(0)
