@@ -34,6 +34,8 @@ class ReplicaSet:
         if not clients:
             raise ValueError("at least one verifier replica is needed")
         self.replicas = [Replica(c.address, c) for c in clients]
+        self.up = True  # some replica passed its last health check (optimistic until the first round)
+        self._watchers: list = []  # called with ``up`` when it changes
         self.health_timeout_s = health_timeout_s
         self.cut_after = cut_after
         self._lock = threading.Lock()
@@ -84,12 +86,19 @@ class ReplicaSet:
         for replica in self.replicas:
             ok = replica.client.healthy(self.health_timeout_s)
             if ok and not replica.healthy:
-                log.info("verifier replica %s is back", replica.address)
+                log.warning("verifier replica %s is back", replica.address)
             elif not ok and replica.healthy:
                 log.warning("verifier replica %s failed its health check", replica.address)
             replica.healthy = ok
             replica.failed_checks = 0 if ok else replica.failed_checks + 1
             replica.cut = replica.cut and not ok
+        up = any(r.healthy for r in self.replicas)
+        if up != self.up:
+            self.up = up
+            log.warning("verifier replicas: %s", "one passes its health checks again" if up else
+                        "none passes its health checks; this orchestrator reports NOT_SERVING until one does")
+            for watcher in self._watchers:
+                watcher(up)
         for replica in self.replicas:
             elsewhere = any(r.healthy for r in self.replicas if r is not replica)
             if (self.cut_after and replica.failed_checks >= self.cut_after and not replica.cut and elsewhere
@@ -99,6 +108,10 @@ class ReplicaSet:
                 if cut:
                     log.warning("verifier replica %s failed %d health checks in a row: %d calls to it cut short (their "
                                 "sessions move)", replica.address, replica.failed_checks, cut)
+
+    def watch(self, watcher) -> None:
+        """``watcher(up)`` after each health-check round that changes whether any replica passes its checks."""
+        self._watchers.append(watcher)
 
     def _run(self, interval: float) -> None:
         while not self._stop.wait(interval):

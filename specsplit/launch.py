@@ -107,6 +107,7 @@ def start_orchestrator(verifier_addresses: str | list[str], draft_addresses: lis
     max_streams = (config or OrchestratorConfig()).max_streams
     server = Server(address, [registration(OrchestratorServicer(orchestrator))], max_workers=max_streams + 8)
     server.core = orchestrator
+    orchestrator.replicas.watch(server.set_serving)  # no verifier replica up: it cannot serve, so it says so
     return server
 
 

@@ -288,8 +288,15 @@ class Server:
         host = address.rsplit(":", 1)[0]
         self.address = f"{host}:{self.port}"
         self.grpc_server.start()
-        for name in ["", *names]:
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.names = names
+        self.set_serving(True)
+
+    def set_serving(self, serving: bool) -> None:
+        """What grpc.health.v1 says of the server and its services (load balancers and probes read it); once the
+        server is stopping, NOT_SERVING whatever this says."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self.names]:
+            self.health.set(name, status)
 
     def stop(self, grace: float = 5.0) -> None:
         self.health.enter_graceful_shutdown()

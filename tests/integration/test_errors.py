@@ -266,3 +266,36 @@ def test_a_verifier_back_from_a_restart_is_reached_within_seconds():
     finally:
         client.close()
         server.stop(0)
+
+
+def test_an_orchestrator_without_a_verifier_reports_not_serving():
+    """A load balancer reads grpc.health.v1: an orchestrator none of whose verifier replicas passes its health checks
+    cannot serve a generation, so it says NOT_SERVING (it said SERVING while every generation failed UNAVAILABLE),
+    and SERVING again once one is back."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    target = tiny_loaded(seed=0, layers=1)
+    address = f"127.0.0.1:{free_port()}"
+    verifier = start_verifier(target, address)
+    orchestrator = start_orchestrator(address, [], target.tokenizer, config=OrchestratorConfig(health_interval_s=0.2))
+    channel = grpc.insecure_channel(orchestrator.address)
+    health = health_pb2_grpc.HealthStub(channel)
+
+    def status(service: str = "") -> int:
+        return health.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
+
+    try:
+        assert status() == status("specsplit.v1.OrchestratorService") == health_pb2.HealthCheckResponse.SERVING
+        verifier.stop(0)
+        assert wait_for(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert status("specsplit.v1.OrchestratorService") == health_pb2.HealthCheckResponse.NOT_SERVING
+        verifier = start_verifier(target, address)
+        assert wait_for(lambda: status() == health_pb2.HealthCheckResponse.SERVING)
+        tokens = [t for c in Client(orchestrator.address).generate(prompt_token_ids=PROMPT, max_new_tokens=4)
+                  for t in c.token_ids]
+        assert tokens == hf_greedy(target.model, PROMPT, 4)
+    finally:
+        channel.close()
+        orchestrator.stop(0)
+        orchestrator.core.close()
+        verifier.stop(0)
