@@ -183,7 +183,7 @@ def generate(args) -> int:
             stream = client.generate(args.prompt, max_new_tokens=args.max_new_tokens, stop=args.stop,
                                      draft=args.draft, chat_template=not args.no_chat_template,
                                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                     seed=args.seed, resume=len(addresses) > 1)
+                                     seed=args.seed, resume=stack is None)
             try:
                 for chunk in stream:
                     if chunk.prompt_token_ids:

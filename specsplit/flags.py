@@ -131,8 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print one JSON object (prompt_token_ids, token_ids, text, rounds, mean_accepted_tokens, "
                           "tokens_per_second, elapsed_s, ...) instead of streaming text")
     gen.add_argument("--orchestrator", type=_address_list, default=_env("SPECSPLIT_ORCHESTRATOR"),
-                     help="HOST:PORT of a running orchestrator; skips the embedded stack. Several, comma-separated "
-                          "(sharing a --redis-url store): the generation resumes on another one if one fails")
+                     help="HOST:PORT of a running orchestrator; skips the embedded stack. A generation whose "
+                          "orchestrator fails resumes after the last token received (orchestrators need a "
+                          "--redis-url store): on the next of several, comma-separated, or on the same one restarted")
     gen.add_argument("--timeout", type=_at_least(0, float), default=600.0,
                      help="deadline of the whole generation in seconds (default 600; 0: none): past it the call "
                           "ends with DEADLINE_EXCEEDED")

@@ -97,6 +97,45 @@ def test_kill9_the_orchestrator_and_resume_through_the_sdk(model_dir, services, 
         assert sum(1 for c in gens.chunks[i] if c.prompt_token_ids) == 1
 
 
+def test_kill9_the_only_orchestrator_and_the_cli_resumes_on_it_restarted(model_dir, services, redis_server):
+    """`specsplit generate --orchestrator ADDR` with one address resumes too: its orchestrator killed mid-generation
+    and started again on the same address (systemd's Restart=), the CLI goes on after the last token it printed
+    (it failed UNAVAILABLE: only several addresses made the session resumable)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from redis_server import free_port
+    from tiny import EOS_ID
+
+    path, loaded = model_dir
+    prompt = next(p for p in ("abcabcabcabc", "hello world", "the quick brown fox", "0123456789")
+                  if EOS_ID not in hf_greedy(loaded.model, list(loaded.tokenizer(p)["input_ids"]), 200))
+    v_addr = services.address(services.spawn("verifier", "--target-model", str(path)))
+    # (one token a round: the tiny model would decode all 200 in bursts before the kill)
+    orchestrator = ["--listen", f"127.0.0.1:{free_port()}", "--verifiers", v_addr, "--target-model", str(path),
+                    "--redis-url", redis_server.url, "--burst-max", "1"]
+    first = services.spawn("orchestrator", *orchestrator)
+    address = services.address(first)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", SPECSPLIT_THREADS="1")
+    client = subprocess.Popen([sys.executable, "-m", "specsplit.cli", "generate", prompt, "--orchestrator", address,
+                               "--max-new-tokens", "200", "--no-chat-template", "--json"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert wait_for(lambda: RemoteVerifier(v_addr).info(timeout=5).num_sessions == 1, timeout=60)  # generating
+        services.kill9(first)
+        services.address(services.spawn("orchestrator", *orchestrator))
+        out, err = client.communicate(timeout=120)
+        assert client.returncode == 0, err
+        result = json.loads(out)
+        assert result["token_ids"] == hf_greedy(loaded.model, result["prompt_token_ids"], 200)  # none lost or repeated
+        assert "UNAVAILABLE" in err  # (it said why it stalled)
+    finally:
+        if client.poll() is None:
+            client.kill()
+
+
 def test_restart_redis_with_aof_and_resume(model_dir, services, tmp_path):
     path, loaded = model_dir
     redis = RedisServer(data_dir=str(tmp_path), appendonly=True).start()
