@@ -337,8 +337,9 @@ class KvPlacement:
         # there, and the replica, alive, still holds this cache (a dead one fails the call at once or at its deadline).
         try:
             replica.client.release(session_id, timeout=self.config.draft_timeout_s)
-        except RpcError as err:
-            log.warning("release of %s on %s failed: %s", session_id, replica.address, err.code())
+        except RpcError as err:  # (a replica marked down failing it is expected: its going was logged already)
+            log.log(logging.WARNING if replica.healthy else logging.DEBUG, "release of %s on %s failed: %s", session_id,
+                    replica.address, err.code())
 
 
 def traced_thread(target, name: str, start: bool = True) -> threading.Thread:
