@@ -8,6 +8,7 @@ cache dir; later loads read that copy in well under a second. Nothing is fetched
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -114,8 +115,6 @@ def built_once(target: pathlib.Path, build) -> pathlib.Path:
     "cannot load the tokenizer ... install sentencepiece".)"""
     if (target / "complete").exists():
         return target
-    import fcntl
-
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when the process dies
