@@ -206,14 +206,15 @@ class GoodputThreshold:
             size = self.pipeline_nodes()
             if fresh:
                 return num_nodes >= math.ceil(size / 2) or not self.provisional_worth(confidence)
-            return (num_nodes >= size or not self.provisional_worth(confidence)
-                    or not self._waiting_pays(num_nodes, size - num_nodes + (1 if kept else 0)))
+            missing = size - num_nodes
+            return (missing <= 0 or not self.provisional_worth(confidence)
+                    or not self._waiting_pays(num_nodes, missing, missing + (1 if kept else 0)))
         return confidence < self.alpha
 
-    def _waiting_pays(self, num_nodes: int, forwards: int) -> bool:
+    def _waiting_pays(self, num_nodes: int, missing: int, forwards: int) -> bool:
         """Whether a pipelined tree of ``num_nodes`` should wait ``forwards`` more draft forwards (the verifier idle
-        meanwhile) to reach ``pipeline_nodes``, or go now: a round, accepted whole, commits num_nodes + 1 tokens for
-        a verification call of ``verify_ms``; waiting gives the missing nodes for ``forwards`` forwards more. Goes
+        meanwhile) for the ``missing`` nodes of ``pipeline_nodes``, or go now: a round, accepted whole, commits
+        num_nodes + 1 tokens for a verification call of ``verify_ms``; waiting gives ``missing`` more. Goes
         now unless the waiting round's rate beats it. The draft seldom makes quite ``pipeline_nodes`` during a
         verification (it starts after the call does, and its last forward is still running when the verdict comes),
         so a pipelined round that waited for them every time left the verifier idle for a catch-up and a growth
@@ -222,7 +223,6 @@ class GoodputThreshold:
         step_ms = self.verify_step_ms or self.step_ms
         if self.verify_ms <= 0 or step_ms <= 0:
             return True
-        missing = self.pipeline_nodes() - num_nodes
         return (num_nodes + 1) * (self.verify_ms + forwards * step_ms) < (num_nodes + missing + 1) * self.verify_ms
 
     def pipeline_nodes(self) -> int:

@@ -133,9 +133,14 @@ class _RpcSpanNames(trace.TracerProvider):
 class _RpcSpanTracer(trace.Tracer):
     def __init__(self, args: tuple, kwargs: dict):
         self._args, self._kwargs = args, kwargs
+        self._provider, self._tracer_of_provider = None, None
 
     def _tracer(self) -> trace.Tracer:
-        return trace.get_tracer_provider().get_tracer(*self._args, **self._kwargs)
+        """The current provider's tracer (made again only when the provider changes, not per call)."""
+        provider = trace.get_tracer_provider()
+        if provider is not self._provider:
+            self._tracer_of_provider, self._provider = provider.get_tracer(*self._args, **self._kwargs), provider
+        return self._tracer_of_provider
 
     def start_span(self, name: str, *args, **kwargs) -> trace.Span:
         return self._tracer().start_span(name.lstrip("/"), *args, **kwargs)
