@@ -220,19 +220,22 @@ class GoodputThreshold:
         so a pipelined round that waited for them every time left the verifier idle for a catch-up and a growth
         forward a round (measured on a Zen 3 EPYC, bench/results/network_zen3_triggers: trees of 7 nodes from 5-6
         kept tokens, ~100 ms of each ~400 ms round waiting for the draft)."""
-        step_ms = self.verify_step_ms or self.step_ms
-        if self.verify_ms <= 0 or step_ms <= 0:
-            return True
-        return (num_nodes + 1) * (self.verify_ms + forwards * step_ms) < (num_nodes + missing + 1) * self.verify_ms
+        # (missing > 0: pipeline_nodes() > 1, so the call and a draft forward are both measured)
+        waited_ms = self.verify_ms + forwards * self._pipelined_step_ms()
+        return (num_nodes + 1) * waited_ms < (num_nodes + missing + 1) * self.verify_ms
 
     def pipeline_nodes(self) -> int:
         """A pipelined tree's size: as many tokens as the draft makes during one verification (its call time
         over a draft forward's under a verification; a growth forward's until one is measured), so that neither
         side waits long for the other. Before both are measured: 1."""
-        step_ms = self.verify_step_ms or self.step_ms
+        step_ms = self._pipelined_step_ms()
         if self.verify_ms <= 0 or step_ms <= 0:
             return 1
         return max(1, math.ceil(self.verify_ms / step_ms))
+
+    def _pipelined_step_ms(self) -> float:
+        """A draft forward during a verification (a growth forward's time until one is measured; 0: neither)."""
+        return self.verify_step_ms or self.step_ms
 
     def provisional_worth(self, branch_confidence: float) -> bool:
         """Draft provisionally from the sent branch only if it is accepted whole often enough: the chance
