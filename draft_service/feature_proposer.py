@@ -335,8 +335,8 @@ def load_feature_proposer(artifact: str | pathlib.Path | None, target_model: str
 
 def target_identity_of(target_model: str | None) -> str:
     """specsplit.models.target_identity of a target, without loading it when it is the default one."""
-    from specsplit.models import DEFAULT_GGUF_SHA256, DEFAULT_TARGET, load_model, target_identity
+    from specsplit.models import DEFAULT_GGUF_SHA256, DEFAULT_TARGET, is_default_target, load_model, target_identity
 
-    if target_model in (None, "", "default", DEFAULT_TARGET):
+    if is_default_target(target_model):
         return f"{DEFAULT_TARGET}@gguf-sha256:{DEFAULT_GGUF_SHA256}"
     return target_identity(load_model(target_model, "cpu", "float32"))

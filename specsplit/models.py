@@ -103,8 +103,17 @@ def sha256_file(path: pathlib.Path) -> str:
 
 def default_target_dir() -> pathlib.Path:
     """The fp32 safetensors copy of the default target, made from the GGUF on first use."""
-    target = cache_dir() / f"{DEFAULT_TARGET}-{DEFAULT_GGUF_SHA256[:12]}"
-    return built_once(target, _convert_default)
+    return built_once(cache_dir() / f"{DEFAULT_TARGET}-{DEFAULT_GGUF_SHA256[:12]}", _convert_default)
+
+
+def default_tokenizer_dir() -> pathlib.Path:
+    """The default target's tokenizer, what an orchestrator needs of it: the converted model's directory where there is
+    one, else the tokenizer's files alone, read from the GGUF in seconds (the model's conversion dequantizes every
+    weight: ~20 s and ~540 MB of cache on a box that never runs it)."""
+    full = cache_dir() / f"{DEFAULT_TARGET}-{DEFAULT_GGUF_SHA256[:12]}"
+    if (full / "complete").exists():
+        return full
+    return built_once(full.with_name(full.name + "-tokenizer"), lambda staging: _convert_default(staging, weights=False))
 
 
 def built_once(target: pathlib.Path, build) -> pathlib.Path:
@@ -131,29 +140,35 @@ def built_once(target: pathlib.Path, build) -> pathlib.Path:
     return target
 
 
-def _convert_default(staging: pathlib.Path) -> None:
+def _convert_default(staging: pathlib.Path, weights: bool = True) -> None:
     gguf = default_gguf_path()
     digest = sha256_file(gguf)
     if digest != DEFAULT_GGUF_SHA256:
         raise FailedPrecondition(
             f"{gguf} has sha256 {digest}, expected {DEFAULT_GGUF_SHA256}; reinstall with `{INSTALL_HINT}`"
         )
-    log.info("converting %s to an fp32 safetensors cache (once)", gguf.name)
+    log.info("converting %s to %s cache (once)", gguf.name, "an fp32 safetensors" if weights else "a tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # The dequantized weights are plain fp32; drop the GGUF quantizer so save/load treat them as such.
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.hf_quantizer = None
-    model.config.name_or_path = DEFAULT_TARGET
-    model.save_pretrained(staging, safe_serialization=True)
+    if weights:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The dequantized weights are plain fp32; drop the GGUF quantizer so save/load treat them as such.
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.hf_quantizer = None
+        model.config.name_or_path = DEFAULT_TARGET
+        model.save_pretrained(staging, safe_serialization=True)
     tokenizer.save_pretrained(staging)
     (staging / "complete").write_text(json.dumps({"gguf": str(gguf), "sha256": digest}))
 
 
+def is_default_target(spec) -> bool:
+    """Whether a model argument names the default target (None, '', 'default' or its name)."""
+    return spec in (None, "", "default", DEFAULT_TARGET)
+
+
 def model_path(spec: str | os.PathLike | None) -> pathlib.Path:
     """A model argument (None/'default'/the default's name, or a local directory) as a local directory."""
-    if spec in (None, "", "default", DEFAULT_TARGET):
+    if is_default_target(spec):
         return default_target_dir()
     path = pathlib.Path(spec).expanduser()
     if not (path / "config.json").is_file():
@@ -165,7 +180,7 @@ def model_path(spec: str | os.PathLike | None) -> pathlib.Path:
 
 
 def load_tokenizer(spec: str | os.PathLike | None) -> PreTrainedTokenizerBase:
-    path = model_path(spec)
+    path = default_tokenizer_dir() if is_default_target(spec) else model_path(spec)
     return _loaded(path, "tokenizer", lambda: AutoTokenizer.from_pretrained(path))
 
 
@@ -185,7 +200,7 @@ def load_model(spec: str | os.PathLike | None, device: str | None = "auto", dtyp
     tokenizer = _loaded(path, "tokenizer", lambda: AutoTokenizer.from_pretrained(path))
     model = _loaded(path, "model weights", lambda: AutoModelForCausalLM.from_pretrained(path, dtype=dtype))
     model.to(where).eval()
-    default = spec in (None, "", "default", DEFAULT_TARGET)
+    default = is_default_target(spec)
     name = DEFAULT_TARGET if default else str(spec)
     identity = f"{DEFAULT_TARGET}@gguf-sha256:{DEFAULT_GGUF_SHA256}" if default else ""
     return LoadedModel(model, tokenizer, name, tokenizer_fingerprint(tokenizer), identity)

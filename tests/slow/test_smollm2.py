@@ -18,7 +18,8 @@ from draft_service.proposers import ModelProposer  # noqa: E402
 from specsplit.client import Client  # noqa: E402
 from specsplit.config import DraftConfig  # noqa: E402
 from specsplit.launch import start_stack  # noqa: E402
-from specsplit.models import load_model  # noqa: E402
+from specsplit.models import (DEFAULT_GGUF_SHA256, DEFAULT_TARGET, load_model, load_tokenizer,  # noqa: E402
+                              tokenizer_fingerprint)
 from tiny import hf_greedy  # noqa: E402
 
 PROMPTS = {
@@ -121,3 +122,14 @@ def test_lean_packed_forward_is_bit_identical_on_smollm2(target):
             expected = packed_forward(target.model, stores[0], packed, cache_kwarg(target.model), None, hidden=True)
             got = lean(stores[1], packed, None, hidden=True)
             assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def test_an_orchestrator_box_converts_the_tokenizer_alone(target, tmp_path, monkeypatch):
+    """load_tokenizer (what `specsplit orchestrator` loads) on a box with no cache reads the tokenizer from the GGUF
+    and converts no weights; its token ids and chat template are the converted model's."""
+    monkeypatch.setenv("SPECSPLIT_CACHE", str(tmp_path))
+    tokenizer = load_tokenizer(None)
+    assert tokenizer_fingerprint(tokenizer) == target.fingerprint
+    assert tokenizer.chat_template == target.tokenizer.chat_template
+    assert not list(tmp_path.rglob("*.safetensors"))
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == [f"{DEFAULT_TARGET}-{DEFAULT_GGUF_SHA256[:12]}-tokenizer"]
