@@ -211,7 +211,7 @@ class DraftMixin:
                 parent = -1
                 for token, prob in ahead[:max_nodes]:
                     parent = tree.add(parent, token, prob)
-                if trigger.should_verify(tree.confidence[parent], len(tree), kept=True) and \
+                if trigger.should_verify(tree.confidence[parent], len(tree)) and \
                         not leaves_stub(len(tree), max_nodes, remaining):
                     start.ahead = ahead
                     start.seeded = len(tree)  # pipelined: the draft seeds these same tokens and goes on from them
