@@ -85,7 +85,7 @@ class FixedSize:
     size: int = 16
     alpha: float = 0.0  # not used: kept so every trigger reports an α
 
-    def should_verify(self, confidence: float, num_nodes: int, fresh: bool = False) -> bool:
+    def should_verify(self, confidence: float, num_nodes: int, fresh: bool = False, kept: bool = False) -> bool:
         return num_nodes >= self.size
 
     def provisional_worth(self, branch_confidence: float) -> bool:
@@ -111,7 +111,7 @@ class FixedSize:
 class EdgeLLMThreshold:
     alpha: float = 0.01  # the paper's starting value
 
-    def should_verify(self, confidence: float, num_nodes: int, fresh: bool = False) -> bool:
+    def should_verify(self, confidence: float, num_nodes: int, fresh: bool = False, kept: bool = False) -> bool:
         return confidence < self.alpha
 
     def provisional_worth(self, branch_confidence: float) -> bool:
@@ -182,13 +182,15 @@ class GoodputThreshold:
     # drafted again on a CPU where drafting ran 1.37x target-only.)
     resync: bool = False
 
-    def should_verify(self, confidence: float, num_nodes: int, fresh: bool = False) -> bool:
+    def should_verify(self, confidence: float, num_nodes: int, fresh: bool = False, kept: bool = False) -> bool:
         """T < α; but while drafted rounds' provisional drafting usually follows the committed path (pipelined:
         the draft drafts the branch on during each verification, and what it made is the next tree's start),
         once the tree has ``pipeline_nodes`` nodes (the α rule prices a draft forward as if the verifier waited
         for it), or sooner once its best branch is unlikely to be accepted whole (not ``provisional_worth``):
         drafting on from a token the target will probably reject is waste, or once the nodes still missing
-        would cost more waiting than they bring (``_waiting_pays``). ``fresh``: the round had no kept provisional tokens (a session's first round, or after
+        would cost more waiting than they bring (``_waiting_pays``). ``kept``: the tree is last round's kept
+        provisional tokens and the draft has not run this round yet (growing it costs the draft's catch-up
+        forward too). ``fresh``: the round had no kept provisional tokens (a session's first round, or after
         a rejection): the verifier waits for every node of such a tree, so it is verified at half
         ``pipeline_nodes``, and the draft makes the rest of the next tree during that verification. (Measured at RTT 100 ms: growing the whole ~11 nodes first put goodput's first
         tokens 330 ms behind fixed-4's, bench/results/network_half_avx512 run 2.)
@@ -206,27 +208,20 @@ class GoodputThreshold:
                 return num_nodes >= math.ceil(size / 2) or not self.provisional_worth(confidence)
             missing = size - num_nodes
             return (missing <= 0 or not self.provisional_worth(confidence)
-                    or not self._waiting_pays(num_nodes, missing))
+                    or not self._waiting_pays(num_nodes, missing, missing + (1 if kept else 0)))
         return confidence < self.alpha
 
-    def _waiting_pays(self, num_nodes: int, missing: int) -> bool:
-        """Whether a pipelined tree of ``num_nodes`` should wait ``missing`` more draft forwards (the verifier idle
-        meanwhile) for the nodes it lacks of ``pipeline_nodes``, or go now: a round, accepted whole, commits
-        num_nodes + 1 tokens for a verification call of ``verify_ms``; waiting gives ``missing`` more. Goes now unless
-        the waiting round's rate beats it, i.e. unless (num_nodes + 1) draft forwards take less than a verification
-        call. The draft seldom makes quite ``pipeline_nodes`` during a verification (it starts after the call does,
-        and its last forward is still running when the verdict comes), so a pipelined round that waited for them every
-        time left the verifier idle for a catch-up and a growth forward a round (measured on a Zen 3 EPYC,
-        bench/results/network_zen3_triggers: trees of 7 nodes from 5-6 kept tokens, ~100 ms of each ~400 ms round
-        waiting for the draft).
-
-        The draft's catch-up forward on the round's verdict is not charged to waiting: it runs either way, before the
-        tree goes or during its verification, where it takes a provisional forward's place (one token fewer kept for
-        the next round). (Charged, kept tokens went at once nearly every round: on a Zen 4 EPYC,
-        bench/results/network_zen4_triggers/catch_up_ab, the default ran 0.96x of fixed-16+prov over 16 RTT-runs,
-        against 1.00x with a rule that waited more often.)"""
+    def _waiting_pays(self, num_nodes: int, missing: int, forwards: int) -> bool:
+        """Whether a pipelined tree of ``num_nodes`` should wait ``forwards`` more draft forwards (the verifier idle
+        meanwhile) for the ``missing`` nodes of ``pipeline_nodes``, or go now: a round, accepted whole, commits
+        num_nodes + 1 tokens for a verification call of ``verify_ms``; waiting gives ``missing`` more. Goes
+        now unless the waiting round's rate beats it. The draft seldom makes quite ``pipeline_nodes`` during a
+        verification (it starts after the call does, and its last forward is still running when the verdict comes),
+        so a pipelined round that waited for them every time left the verifier idle for a catch-up and a growth
+        forward a round (measured on a Zen 3 EPYC, bench/results/network_zen3_triggers: trees of 7 nodes from 5-6
+        kept tokens, ~100 ms of each ~400 ms round waiting for the draft)."""
         # (missing > 0: pipeline_nodes() > 1, so the call and a draft forward are both measured)
-        waited_ms = self.verify_ms + missing * self._pipelined_step_ms()
+        waited_ms = self.verify_ms + forwards * self._pipelined_step_ms()
         return (num_nodes + 1) * waited_ms < (num_nodes + missing + 1) * self.verify_ms
 
     def pipeline_nodes(self) -> int:

@@ -132,8 +132,8 @@ def test_goodput_pipelined_trees_hold_what_the_draft_makes_during_one_verificati
 
 def test_goodput_pipelined_tree_goes_short_of_its_size_when_waiting_for_the_rest_does_not_pay():
     """A round accepted whole commits its nodes + 1: waiting k draft forwards (the verifier idle) for the nodes still
-    missing pays only if the bigger round's rate beats going now (bench/results/network_zen3_triggers: trees of 7 from
-    5-6 kept tokens, waiting ~100 ms); the draft's catch-up forward is not charged to waiting (it runs either way)."""
+    missing pays only if the bigger round's rate beats going now; kept tokens the draft has not run on yet cost its
+    catch-up forward besides (bench/results/network_zen3_triggers: trees of 7 from 5-6 kept tokens, waiting ~100 ms)."""
     t = make_trigger("goodput", pipeline=True)
     for _ in range(10):  # verification calls of 280 ms, draft forwards of 45 ms: 6.2 forwards a verification
         t.observe(RoundOutcome(7, 7, (0.9,) * 7, 8, 400.0, 0, 0.0, pipelined_next=True, verify_ms=280.0,
@@ -141,10 +141,11 @@ def test_goodput_pipelined_tree_goes_short_of_its_size_when_waiting_for_the_rest
     assert t.pipeline_nodes() == 7
     assert t.should_verify(0.99, 6)  # 7 tokens now, or 8 after 45 ms more: now
     assert not t.should_verify(0.99, 5)  # 6 tokens now, or 8 after 90 ms more: wait
-    assert not t.should_verify(0.99, 3)  # 4 tokens now, or 8 after 180 ms more: wait
+    assert t.should_verify(0.99, 5, kept=True) and t.should_verify(0.99, 4, kept=True)  # a forward more to wait
+    assert not t.should_verify(0.99, 3, kept=True)  # 4 tokens now, or 8 after 225 ms more: wait
     assert not t.should_verify(0.99, 3, fresh=True) and t.should_verify(0.99, 4, fresh=True)  # fresh: half the size
     fixed, edgellm = FixedSize(7), EdgeLLMThreshold(alpha=0.5)
-    assert not fixed.should_verify(0.99, 6) and not edgellm.should_verify(0.99, 1)
+    assert not fixed.should_verify(0.99, 6, kept=True) and not edgellm.should_verify(0.99, 1, kept=True)
 
 
 def test_goodput_pipelined_trees_sized_by_forwards_under_a_verification():
