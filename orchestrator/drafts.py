@@ -58,11 +58,11 @@ class DraftMixin:
         if choice in MEDUSA:
             if not self.verifier_info.medusa:
                 raise InvalidArgument(f"--draft {choice} needs a verifier started with Medusa heads (--medusa PATH)")
-            if choice == "medusa":
-                return None  # self-speculation: the verifier proposes, no draft service
+            if choice == "medusa" or not self.drafts:
+                return None  # self-speculation: the verifier proposes (merged with an n-gram draft where there is one)
             choice = "ngram"
-        if choice == "none" or not self.drafts:
-            return None
+        if choice == "none" or (choice == "auto" and not self.drafts):
+            return None  # (a drafter named where there is none is refused below, not silently dropped)
         if choice == "auto":
             return self.drafts[0]
         silent = []  # draft services whose kind is unknown: they did not answer (yet)
@@ -211,7 +211,7 @@ class DraftMixin:
                 parent = -1
                 for token, prob in ahead[:max_nodes]:
                     parent = tree.add(parent, token, prob)
-                if trigger.should_verify(tree.confidence[parent], len(tree)) and \
+                if trigger.should_verify(tree.confidence[parent], len(tree), kept=True) and \
                         not leaves_stub(len(tree), max_nodes, remaining):
                     start.ahead = ahead
                     start.seeded = len(tree)  # pipelined: the draft seeds these same tokens and goes on from them

@@ -126,6 +126,8 @@ def generate(args) -> int:
     from specsplit.telemetry import setup_telemetry
 
     setup_telemetry("specsplit-cli")
+    if threading.current_thread() is threading.main_thread():  # (signal handlers go in the main thread only)
+        signal.signal(signal.SIGTERM, _terminated)  # ends like Ctrl-C: the session is cancelled, the stack stopped
     stack = None
     tls = None
     if args.orchestrator:
@@ -141,6 +143,12 @@ def generate(args) -> int:
             raise InvalidArgument("--tls-* flags are for a remote --orchestrator (the embedded stack talks over loopback)")
         if args.draft == "model" and not args.draft_model:
             raise InvalidArgument("--draft model needs --draft-model PATH (a small model with the target's tokenizer)")
+        # What the orchestrator would refuse, refused before the stack starts (seconds of loading for nothing)
+        if not args.prompt:
+            raise InvalidArgument("prompt is empty: give a prompt")
+        limit = _tree_config(args).max_new_tokens_limit
+        if args.max_new_tokens > limit:
+            raise InvalidArgument(f"--max-new-tokens {args.max_new_tokens} is over this server's limit of {limit}")
         _refuse_unused_draft_flags(args)
         from specsplit.launch import DraftProcess, default_proposers, load_model, start_stack
 
@@ -201,15 +209,17 @@ def generate(args) -> int:
                     finish = chunk.finish_reason or finish
                     if not args.json and chunk.text:
                         print(chunk.text, end="", flush=True)
-            except (KeyboardInterrupt, BrokenPipeError):
+            except (KeyboardInterrupt, BrokenPipeError, SystemExit):
                 # (a resumable session would stay detached, holding its cache, for a resume that never comes)
                 stream.cancel()
                 raise
             elapsed = time.perf_counter() - start
     except grpc.RpcError as err:
         print(f"\nspecsplit: error: {err.code().name}: {err.details()}", file=sys.stderr)
+        details = err.details() or ""
         if err.code() == grpc.StatusCode.UNAVAILABLE and tls is not None and not tls.calls and \
-                "Connection refused" not in (err.details() or ""):  # (it answered, then hung up: a TLS server?)
+                "Connection refused" not in details and "DNS resolution failed" not in details:
+            # (it answered, then hung up: a TLS server?)
             print("specsplit: if the orchestrator serves TLS, pass --tls-ca (see --help)", file=sys.stderr)
         return 2 if err.code() == grpc.StatusCode.INVALID_ARGUMENT else 1  # (2: the request itself was bad)
     finally:
@@ -302,11 +312,11 @@ def serve(args) -> int:
                       "generations fail with UNAVAILABLE until it does", file=sys.stderr, flush=True)
         server = launch.start_orchestrator(verifiers, _addresses(args.drafts), launch.load_tokenizer(args.target_model),
                                            args.listen, _tree_config(args), store)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before the line that says it serves: a stop may follow at once
+        signal.signal(sig, lambda *_: stop.set())
     secure = " (TLS)" if server.tls else ""  # the address stays the line's last word
     print(f"specsplit {args.service}{secure} serving on {server.address}", file=sys.stderr, flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     if os.environ.get(launch.PARENT_PID_ENV):  # a child service of `specsplit generate`: it ends with its parent
         parent = int(os.environ[launch.PARENT_PID_ENV])
         threading.Thread(target=_stop_when_orphaned, args=(parent, stop), daemon=True, name="parent-watch").start()
@@ -317,6 +327,10 @@ def serve(args) -> int:
     server.stop(grace=args.drain_s)
     print(f"specsplit {args.service}: stopped after {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
     return 0
+
+
+def _terminated(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _stop_when_orphaned(parent_pid: int, stop: threading.Event) -> None:

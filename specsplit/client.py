@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -22,8 +23,9 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry import trace
 
+from specsplit.errors import InvalidArgument
 from specsplit.rpc import chunk_from_pb, generate_request_to_pb
-from specsplit.serving import open_aio_channel, open_channel
+from specsplit.serving import check_address, open_aio_channel, open_channel
 from specsplit.stream import Chunk, RoundStats  # noqa: F401  (re-exported for SDK users)
 from specsplit.tls import TLS
 from specsplit.v1 import orchestrator_pb2, orchestrator_pb2_grpc
@@ -45,29 +47,60 @@ class Reconnect:
 
 class GenerateStream:
     """An iterator of chunks that can be cancelled (the server then stops and frees the session; the iteration ends
-    there, without an error)."""
+    there, without an error). A loop that stops early (``break``, an exception, the iterator closed or dropped) or a
+    ``with`` block left before the last chunk cancels it too: the server does not generate on for no one."""
 
     def __init__(self, call):
         self._call = call
         self._cancelled = False
+        self._finished = False  # the chunk with a finish_reason arrived
+        self._chunks: Iterator[Chunk] | None = None  # next()'s iteration
 
     def __iter__(self) -> Iterator[Chunk]:
         try:
             for msg in self._call:
-                yield chunk_from_pb(msg)
+                chunk = chunk_from_pb(msg)
+                self._finished = self._finished or bool(chunk.finish_reason)
+                yield chunk
         except grpc.RpcError:
             if self._cancelled:
                 return  # cancel(): the stream ends here
             raise
+        finally:
+            if not self._finished and not self._cancelled:
+                self.cancel()  # stopped early, or failed: nothing more is wanted
+
+    def __next__(self) -> Chunk:
+        if self._chunks is None:
+            self._chunks = iter(self)
+        return next(self._chunks)
 
     def cancel(self) -> None:
         self._cancelled = True
         self._call.cancel()
 
+    def close(self) -> None:
+        """Cancel the generation unless it has finished."""
+        if not self._finished and not self._cancelled:
+            self.cancel()
+
+    def __enter__(self) -> "GenerateStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 # A stream that broke with one of these may continue on another orchestrator: the server is gone
 # (UNAVAILABLE), or its connection broke mid-stream (UNKNOWN/INTERNAL: RST_STREAM, socket closed).
 RESUMABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+
+
+def never_reached(err: grpc.RpcError) -> bool:
+    """The call failed before reaching any server: refused, or a name that does not resolve."""
+    details = err.details() or ""
+    return err.code() == grpc.StatusCode.UNAVAILABLE and any(
+        what in details for what in ("Connection refused", "DNS resolution failed", "failed to connect to all"))
 
 
 class ResumableStream(GenerateStream):
@@ -97,6 +130,11 @@ class ResumableStream(GenerateStream):
             span.set_status(trace.Status(trace.StatusCode.ERROR, str(err)))
             raise
         finally:
+            # A resumable session outlives its stream (for a resume); one this client stopped reading or gave up on
+            # (its deadline, an error no reconnect mends) would only hold its caches until it expires.
+            if not self._finished and not self._cancelled:
+                with contextlib.suppress(Exception):  # best effort, and never in place of the error being raised
+                    self.cancel(timeout=1.0)
             span.set_attribute("specsplit.reconnects", self.reconnects)
             span.end()
 
@@ -118,6 +156,7 @@ class ResumableStream(GenerateStream):
                             continue  # a resumed stream repeats the header; the caller has it
                         started = True
                     received += len(chunk.token_ids)
+                    self._finished = bool(chunk.finish_reason)
                     yield chunk
                     if chunk.finish_reason:
                         return
@@ -131,8 +170,14 @@ class ResumableStream(GenerateStream):
                 raced = code == grpc.StatusCode.FAILED_PRECONDITION and resuming
                 if self._cancelled:
                     return  # cancel(): the stream ends here
-                if code not in RESUMABLE_CODES and not never_stored and not raced:
+                # A start refused for want of room goes to the next address (the others may have it).
+                full = code == grpc.StatusCode.RESOURCE_EXHAUSTED and not started and not resuming
+                if code not in RESUMABLE_CODES and not never_stored and not raced and not full:
                     raise
+                # A start that no orchestrator took (full, or never reached) is the same start at the next address.
+                refused = full or (not started and not resuming and never_reached(err))
+                if refused and attempt + 1 >= len(self._client.addresses):
+                    raise  # every address refused the start (none answers: a wrong address, a service that is down)
                 now = time.monotonic()
                 give_up_at = give_up_at or now + self._client.reconnect_s
                 if now > give_up_at:
@@ -148,10 +193,10 @@ class ResumableStream(GenerateStream):
                 delay = min(2 * delay, 1.0)
                 self.reconnects += 1
                 # Resume where we are; a session no orchestrator ever stored is started again, same id.
-                request = self._request if never_stored else orchestrator_pb2.GenerateRequest(
+                request = self._request if never_stored or refused else orchestrator_pb2.GenerateRequest(
                     resume_session_id=self.session_id, resume_from_token=received)
 
-    def cancel(self) -> None:
+    def cancel(self, timeout: float = 5.0) -> None:
         """Cancel the session itself (a resumable session outlives a dropped stream), then the stream. The Cancel goes
         to the orchestrator in use, and to the others in turn if it cannot be reached (any of them can cancel a
         session in the store they share)."""
@@ -159,12 +204,25 @@ class ResumableStream(GenerateStream):
         n = len(self._client.addresses)
         for k in range(n):
             try:
-                self._client.cancel(self.session_id, index=(self._index + k) % n)
+                self._client.cancel(self.session_id, index=(self._index + k) % n, timeout=timeout)
                 break
             except grpc.RpcError:
                 pass  # that orchestrator is gone (or its store is): try the next; else the session expires on its own
         if self._call is not None:
             self._call.cancel()
+
+
+GRPC_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+
+
+def check_target(address: str) -> str:
+    """An orchestrator's HOST:PORT (or a gRPC target name such as ``dns:///host:port`` or ``unix:/path``); specsplit's
+    InvalidArgument for anything else, before a channel quietly dials port 443 or fails on a URL."""
+    if not isinstance(address, str):
+        raise InvalidArgument(f"an orchestrator address is a HOST:PORT string, got {address!r}")
+    if address.startswith(("http://", "https://", "grpc://", "grpcs://")):
+        raise InvalidArgument(f"{address!r}: give HOST:PORT without a URL scheme (TLS is the tls= argument)")
+    return address if address.startswith(GRPC_SCHEMES) else check_address(address, listen=False)
 
 
 class Client:
@@ -177,7 +235,7 @@ class Client:
         on_reconnect: called with a ``Reconnect`` before each reconnect of a resumable generation (to tell a user
         why the stream stalls; it must not raise)."""
         self.tls = (tls or TLS()).for_calls()
-        self.addresses = [address] if isinstance(address, str) else list(address)
+        self.addresses = [check_target(a) for a in ([address] if isinstance(address, str) else list(address))]
         if not self.addresses:
             raise ValueError("no orchestrator address given")
         self.address = self.addresses[0]
@@ -229,10 +287,16 @@ class AsyncClient:
         if not isinstance(address, str):
             raise ValueError("AsyncClient talks to one orchestrator (host:port); for failover between several use "
                              "Client(addresses) with generate(..., resume=True)")
-        self.address = address
+        self.address = check_target(address)
         self.timeout = timeout
-        self._channel = open_aio_channel(address, (tls or TLS()).for_calls())
-        self._stub = orchestrator_pb2_grpc.OrchestratorServiceStub(self._channel)
+        self._tls = (tls or TLS()).for_calls()
+        self._channel = None  # opened on first use, inside the event loop that uses it (not at construction)
+
+    @property
+    def _stub(self) -> orchestrator_pb2_grpc.OrchestratorServiceStub:
+        if self._channel is None:
+            self._channel = open_aio_channel(self.address, self._tls)
+        return orchestrator_pb2_grpc.OrchestratorServiceStub(self._channel)
 
     async def generate(self, prompt: str = "", *, messages: Sequence[dict] | None = None,
                        prompt_token_ids: Sequence[int] | None = None, max_new_tokens: int | None = None,
@@ -249,7 +313,9 @@ class AsyncClient:
             call.cancel()
 
     async def close(self) -> None:
-        await self._channel.close()
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
 
     async def __aenter__(self) -> "AsyncClient":
         return self

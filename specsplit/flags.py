@@ -103,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "process that ends with this one.")
     _verbose_flag(gen)
     gen.add_argument("prompt", help="the prompt (goes through the chat template unless --no-chat-template)")
-    gen.add_argument("--max-new-tokens", type=_at_least(1), default=256, help="tokens to generate at most (default 256)")
+    gen.add_argument("--max-new-tokens", type=_at_least(1, below=INT32_END), default=256,
+                     help="tokens to generate at most (default 256; an orchestrator refuses more than its limit, "
+                          "4096 by default)")
     gen.add_argument("--draft", choices=DRAFTS, default="auto", help=DRAFT_HELP)
     gen.add_argument("--draft-artifact", default=_env("SPECSPLIT_DRAFT_ARTIFACT"),
                      help="eagle artifact directory (weights.safetensors + manifest.json) for --draft eagle; "
@@ -122,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed the same request gives the same tokens.")
     sampling.add_argument("--temperature", type=_at_least(0.0, float), default=0.0,
                           help="0 (default): greedy; > 0: sample from softmax(logits / temperature)")
-    sampling.add_argument("--top-k", type=_at_least(0), default=0, help="sample among the k likeliest (0: all)")
+    sampling.add_argument("--top-k", type=_at_least(0, below=INT32_END), default=0,
+                          help="sample among the k likeliest (0: all)")
     sampling.add_argument("--top-p", type=_probability, default=1.0,
                           help="sample from the smallest set of tokens holding this probability (default 1, or "
                                "0: off, all tokens)")
@@ -240,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     _tls_flags(orch, serves=True, calls=True)
     _name_variables(parser)
     return parser
+
+
+INT32_END = 2**31  # the request's integer fields are int32
 
 
 def _at_least(low: float, kind=int, below: float = math.inf):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -58,8 +59,8 @@ def test_bad_input_exits_with_a_clear_message(model_dir):
     assert out.returncode == 2 and "not a local Hugging Face model directory" in out.stderr
     out = cli("generate", "hello", "--burst-max", "0")
     assert out.returncode == 2 and "--burst-max: must be 1..65" in out.stderr
-    out = cli("generate", "", "--target-model", str(path), "--draft", "none")  # refused by the orchestrator: bad input
-    assert out.returncode == 2 and "INVALID_ARGUMENT: prompt is empty" in out.stderr, out.stderr
+    out = cli("generate", "", "--target-model", str(path), "--draft", "none")  # refused before the stack starts
+    assert out.returncode == 2 and "prompt is empty" in out.stderr, out.stderr
 
 
 def test_an_incomplete_model_directory_is_named_in_one_line(model_dir, tmp_path):
@@ -141,6 +142,11 @@ def test_each_service_has_its_own_flags():
     (("generate", "hi", "--orchestrator", "127.0.0.1:1", "--tls-cert", "c.pem", "--tls-key", "k.pem"),
      "--tls-cert without --tls-ca: this process's calls would go out in plaintext"),
     (("generate", "hi", "--device", "nonsense", "--max-new-tokens", "1"), "unknown device 'nonsense'"),
+    # what the embedded orchestrator would refuse, refused before a model loads (this one is nowhere)
+    (("generate", "", "--target-model", "/nowhere"), "prompt is empty"),
+    (("generate", "hi", "--max-new-tokens", "5000", "--target-model", "/nowhere"), "over this server's limit of 4096"),
+    (("generate", "hi", "--max-new-tokens", "3000000000"), "--max-new-tokens: must be < 2147483648"),
+    (("generate", "hi", "--top-k", "3000000000"), "--top-k: must be < 2147483648"),
 ])
 def test_bad_flags_fail_fast_with_one_line(args, words):
     out = cli(*args)
@@ -330,10 +336,10 @@ def test_a_draft_process_ends_with_the_process_that_started_it():
     assert not _running(child)
 
 
-def test_ctrl_c_on_a_resumable_generate_cancels_its_session(model_dir):
-    """`generate --orchestrator A,B` makes a resumable session; interrupted (Ctrl-C), the CLI cancels it rather than
-    leave it detached, its cache held on the verifier, for a resume that never comes."""
-    import signal
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_on_a_resumable_generate_cancels_its_session(model_dir, sig, code):
+    """`generate --orchestrator A,B` makes a resumable session; interrupted (Ctrl-C) or terminated, the CLI cancels it
+    rather than leave it detached, its cache held on the verifier, for a resume that never comes."""
     import time
 
     from specsplit.rpc import RemoteVerifier
@@ -358,8 +364,8 @@ def test_ctrl_c_on_a_resumable_generate_cancels_its_session(model_dir):
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         client.stdout.read(1)  # it is generating
-        client.send_signal(signal.SIGINT)
-        assert client.wait(timeout=30) == 130, client.stderr.read()
+        client.send_signal(sig)
+        assert client.wait(timeout=30) == code, client.stderr.read()
         start = time.monotonic()
         assert wait_for(lambda: RemoteVerifier(verifier_addr).info(timeout=5).num_sessions == 0, timeout=5)
         assert time.monotonic() - start < 5

@@ -233,3 +233,72 @@ def test_a_new_session_starts_from_the_latest_sessions_estimates(target, monkeyp
         for _ in range(2):
             list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=20, draft="model"))
         assert len(made) == 2
+
+
+def test_leaving_a_stream_early_cancels_its_generation(target):
+    """A loop that breaks off, a stream read with next() and dropped, a with-block left early: the server stops and
+    frees the session (it used to generate on to the end for no one, a resumable one then sat detached)."""
+    with start_stack(target, [NgramProposer(DraftConfig())]) as stack:
+        client = Client(stack.address)
+        core = stack.orchestrator.core
+
+        def freed():
+            return wait_for(lambda: core.generating() == 0 and stack.verifier_sessions() == 0, timeout=10)
+
+        for _ in client.generate(prompt_token_ids=PROMPT, max_new_tokens=400):
+            break
+        assert freed()
+        stream = client.generate(prompt_token_ids=PROMPT, max_new_tokens=400, resume=True)
+        for i, _ in enumerate(stream):
+            if i == 2:
+                break
+        assert freed() and core.store.load(stream.session_id).status == "cancelled"
+        with client.generate(prompt_token_ids=PROMPT, max_new_tokens=400) as stream:
+            assert next(stream).prompt_token_ids == PROMPT  # (an iterator: next() works)
+        assert freed()
+        whole = client.generate(prompt_token_ids=PROMPT, max_new_tokens=12)
+        assert tokens_of(whole) == hf_greedy(target.model, PROMPT, 12)
+        whole.close()  # finished: nothing to cancel
+
+
+def test_sdk_arguments_are_checked_with_their_names(target):
+    from specsplit.errors import InvalidArgument
+
+    for bad in ("localhost", "http://127.0.0.1:50051", "", "host:0"):
+        with pytest.raises(InvalidArgument, match="HOST:PORT"):
+            Client(bad)
+    with pytest.raises(InvalidArgument, match="HOST:PORT"):
+        AsyncClient("localhost")
+    client = Client("127.0.0.1:1")
+    with pytest.raises(ValueError, match="max_new_tokens must fit in 32 bits"):
+        client.generate("hi", max_new_tokens=2**31)
+    with pytest.raises(ValueError, match="top_k must fit in 32 bits"):
+        client.generate("hi", top_k=2**31)
+    with start_stack(target, []) as stack:
+        chunks = list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=5, stop=None))
+        assert tokens_of(chunks) == hf_greedy(target.model, PROMPT, 5)
+        # no draft service: "auto" decodes target-only, a drafter named is refused, not silently dropped
+        with pytest.raises(grpc.RpcError) as err:
+            list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=5, draft="ngram"))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no 'ngram' draft" in err.value.details()
+
+
+def test_an_address_that_never_answers_fails_at_once_not_after_the_reconnect_window():
+    """A resumable generation reconnects for ``reconnect_s`` after an orchestrator it was using goes away; one whose
+    every address refused from the start (a typo, a service not running) fails at once."""
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        list(Client(["127.0.0.1:1", "127.0.0.1:2"], reconnect_s=30).generate("hi", resume=True))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - start < 5
+
+
+def test_an_async_client_is_made_outside_an_event_loop(target):
+    with start_stack(target, [NgramProposer(DraftConfig())]) as stack:
+        asyncio.run(asyncio.sleep(0))  # (a loop ran and closed: none is current now)
+        client = AsyncClient(stack.address)
+
+        async def run():
+            async with client:
+                return [c async for c in client.generate(prompt_token_ids=PROMPT, max_new_tokens=8)]
+
+        assert tokens_of(asyncio.run(run())) == hf_greedy(target.model, PROMPT, 8)

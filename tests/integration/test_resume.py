@@ -25,12 +25,14 @@ def tokens_of(chunks):
 
 
 def read_then_drop(client, n_chunks, **kwargs):
-    """Start a resumable generation, read ``n_chunks`` chunks, then break the stream (no Cancel call)."""
+    """Start a resumable generation, read ``n_chunks`` chunks, then break the stream (no Cancel call): as a client
+    that died does (one alive that leaves its stream cancels the session)."""
     stream = client.generate(resume=True, **kwargs)
     got = []
     it = iter(stream)
     while len(got) < n_chunks:
         got.append(next(it))
+    stream._cancelled = True  # (a dead client runs no cleanup: the iterator dropped below must not cancel the session)
     stream._call.cancel()  # the connection is gone; the session is not cancelled
     return stream.session_id, got
 
@@ -194,8 +196,9 @@ def test_a_resume_that_loses_the_race_to_claim_the_session_resumes_again(target)
 
 
 def test_sdk_starts_on_the_second_orchestrator_when_the_first_is_down(target):
-    """The first address is down when the generation starts: the client asks the second to resume the session (none
-    stored: NOT_FOUND), then starts it there (before, it sent the start back to the first one, forever)."""
+    """The first address is down when the generation starts (refused: nothing reached it, so nothing was stored): the
+    client starts it on the second (before: a resume there, NOT_FOUND, then the start; earlier still, the start went
+    back to the first one, forever)."""
     from redis_server import free_port
 
     with start_stack(target, []) as stack:
@@ -204,10 +207,9 @@ def test_sdk_starts_on_the_second_orchestrator_when_the_first_is_down(target):
         client = Client([down, stack.address], reconnect_s=10, on_reconnect=told.append)
         stream = client.generate(prompt_token_ids=PROMPT, max_new_tokens=20, resume=True)
         assert tokens_of(list(stream)) == hf_greedy(target.model, PROMPT, 20)
-        assert stream.reconnects == 2  # a resume on the second (NOT_FOUND), then the start there
+        assert stream.reconnects == 1  # the start moved to the second
         assert [(r.failed, r.code, r.next, r.attempt) for r in told] == [
-            (down, grpc.StatusCode.UNAVAILABLE, stack.address, 1),
-            (stack.address, grpc.StatusCode.NOT_FOUND, stack.address, 2)]
+            (down, grpc.StatusCode.UNAVAILABLE, stack.address, 1)]
         assert 9 < told[0].seconds_left <= 10
 
 
@@ -381,3 +383,24 @@ def test_a_cancel_during_the_prefill_ends_the_stream_as_cancelled(target, monkey
             timer.join()
         assert chunks[-1].finish_reason == "cancelled" and tokens_of(chunks) == []
         assert wait_for(lambda: stack.verifier_sessions() == 0)
+
+
+def test_a_start_refused_for_want_of_room_goes_to_the_next_orchestrator(target):
+    """RESOURCE_EXHAUSTED at the start (an orchestrator at max_streams) means: retry on another. A resumable generation
+    starts on the next address, once, the same start (not a resume of a session no one stored)."""
+    from specsplit.launch import start_orchestrator
+
+    store = InMemoryStore()
+    with start_stack(target, [], store=store, orchestrator_config=OrchestratorConfig(max_streams=0)) as stack:
+        second = start_orchestrator(stack.verifier.address, [], target.tokenizer, store=store)
+        try:
+            client = Client([stack.address, second.address], reconnect_s=10)
+            with pytest.raises(grpc.RpcError) as err:  # the full one alone: refused at once
+                list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=8, resume=True))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            stream = client.generate(prompt_token_ids=PROMPT, max_new_tokens=8, resume=True)
+            assert [t for c in stream for t in c.token_ids] == hf_greedy(target.model, PROMPT, 8)
+            assert stream.reconnects == 1
+        finally:
+            second.stop(0)
+            second.core.close()
