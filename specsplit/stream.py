@@ -28,4 +28,5 @@ class Chunk:
     stats: RoundStats | None = None
     session_id: str = ""
     prompt_token_ids: list[int] | None = None  # first chunk only: what the target saw
-    finish_reason: str = ""  # last chunk only: "length", "eos", "stop", "cancelled"
+    finish_reason: str = ""  # last chunk only: "length", "eos", "stop", "cancelled", "error" (a resumed session that
+    # had failed on its orchestrator)
