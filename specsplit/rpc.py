@@ -165,15 +165,12 @@ def generate_request_to_pb(prompt, messages, prompt_token_ids, max_new_tokens, t
             raise ValueError(f"a chat message is a dict with str 'role' and 'content', got {m!r}")
     if seed is not None and not 0 <= seed < 2**64:
         raise ValueError(f"seed must be in [0, 2**64), got {seed}")
-    def int32(value) -> bool:  # the request's integer fields (protobuf's own error names none of them)
-        return -2**31 <= value < 2**31
-
-    for name, value in (("max_new_tokens", max_new_tokens), ("top_k", top_k)):
-        if value is not None and not int32(value):
-            raise ValueError(f"{name} must fit in 32 bits, got {value}")
-    bad = [t for t in prompt_token_ids or () if not int32(t)]
-    if bad:
-        raise ValueError(f"prompt_token_ids must be 32-bit token ids, got {bad[0]}")
+    # The int32 fields (protobuf's own range error names none of them).
+    for name, values in (("max_new_tokens", [max_new_tokens]), ("top_k", [top_k]),
+                         ("prompt_token_ids", prompt_token_ids or ())):
+        bad = [v for v in values if v is not None and not -2**31 <= v < 2**31]
+        if bad:
+            raise ValueError(f"{name} must fit in 32 bits, got {bad[0]}")
     sampling = sampling_to_pb(SamplingParams(temperature, top_k, top_p, seed))
     msg = orchestrator_pb2.GenerateRequest(
         prompt=prompt or "",

@@ -73,12 +73,13 @@ def test_detached_session_resumes_with_nothing_lost_or_repeated(target, offload)
 
 
 @contextlib.contextmanager
-def two_orchestrators(target, store=None):
-    """A stack and a second orchestrator sharing its verifier and session store; a client of both, the stack's first."""
+def two_orchestrators(target, store=None, first_config=None):
+    """A stack and a second orchestrator sharing its verifier and session store; a client of both, the stack's first.
+    first_config: the stack's orchestrator's config."""
     from specsplit.launch import start_orchestrator
 
     store = store if store is not None else InMemoryStore()
-    with start_stack(target, [], store=store) as stack:
+    with start_stack(target, [], store=store, orchestrator_config=first_config) as stack:
         second = start_orchestrator(stack.verifier.address, [], target.tokenizer, store=store)
         try:
             yield stack, second, Client([stack.address, second.address], reconnect_s=10)
@@ -388,19 +389,10 @@ def test_a_cancel_during_the_prefill_ends_the_stream_as_cancelled(target, monkey
 def test_a_start_refused_for_want_of_room_goes_to_the_next_orchestrator(target):
     """RESOURCE_EXHAUSTED at the start (an orchestrator at max_streams) means: retry on another. A resumable generation
     starts on the next address, once, the same start (not a resume of a session no one stored)."""
-    from specsplit.launch import start_orchestrator
-
-    store = InMemoryStore()
-    with start_stack(target, [], store=store, orchestrator_config=OrchestratorConfig(max_streams=0)) as stack:
-        second = start_orchestrator(stack.verifier.address, [], target.tokenizer, store=store)
-        try:
-            client = Client([stack.address, second.address], reconnect_s=10)
-            with pytest.raises(grpc.RpcError) as err:  # the full one alone: refused at once
-                list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=8, resume=True))
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            stream = client.generate(prompt_token_ids=PROMPT, max_new_tokens=8, resume=True)
-            assert [t for c in stream for t in c.token_ids] == hf_greedy(target.model, PROMPT, 8)
-            assert stream.reconnects == 1
-        finally:
-            second.stop(0)
-            second.core.close()
+    with two_orchestrators(target, first_config=OrchestratorConfig(max_streams=0)) as (stack, _, client):
+        with pytest.raises(grpc.RpcError) as err:  # the full one alone: refused at once
+            list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=8, resume=True))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        stream = client.generate(prompt_token_ids=PROMPT, max_new_tokens=8, resume=True)
+        assert tokens_of(stream) == hf_greedy(target.model, PROMPT, 8)
+        assert stream.reconnects == 1

@@ -124,7 +124,7 @@ def test_lean_packed_forward_is_bit_identical_on_smollm2(target):
 
 
 def test_an_orchestrator_box_converts_the_tokenizer_alone(target, tmp_path, monkeypatch):
-    """load_tokenizer (what `specsplit orchestrator` loads) on a box with no cache reads the tokenizer from the GGUF
+    """load_tokenizer (what `specsplit serve orchestrator` loads) on a box with no cache reads the tokenizer from the GGUF
     and converts no weights; its token ids and chat template are the converted model's."""
     monkeypatch.setenv("SPECSPLIT_CACHE", str(tmp_path))
     tokenizer = load_tokenizer(None)
