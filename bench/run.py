@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
+from transformers import LogitsProcessorList
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
@@ -35,6 +36,7 @@ from specsplit.client import Client  # noqa: E402
 from specsplit.config import VerifierConfig  # noqa: E402
 from specsplit.launch import default_proposers, start_stack  # noqa: E402
 from specsplit.models import load_model  # noqa: E402
+from specsplit.sampling import SamplingParams, scores  # noqa: E402
 
 METHODS = ["hf_greedy", "hf_prompt_lookup", "specsplit_ngram", "specsplit_none"]
 WARMUP_PROMPT = "Say hello."
@@ -93,9 +95,23 @@ class ForwardCounter:
         self.handle.remove()
 
 
-def hf_generate(loaded, ids: list[int], max_new: int, **extra) -> Run:
+class CoupledDraws:
+    """An HF logits processor whose scores are the coupled draw's (``specsplit.sampling.scores``): HF generate with
+    do_sample=False then decodes the target alone with the draws specsplit makes for the seed (its tokens)."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+
+    def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:  # [1, T], [1, V] -> [1, V]
+        return scores(logits, self.params, [input_ids.shape[1]])
+
+
+def hf_generate(loaded, ids: list[int], max_new: int, coupled: SamplingParams | None = None, **extra) -> Run:
+    """coupled: decode with that session's coupled draws (``CoupledDraws``) instead of greedy or HF sampling."""
     input_ids = torch.tensor([ids])
     eos = loaded.tokenizer.eos_token_id
+    if coupled is not None:
+        extra["logits_processor"] = LogitsProcessorList([CoupledDraws(coupled)])
     with ForwardCounter(loaded.model) as counter, torch.inference_mode():
         start = time.perf_counter()
         out = loaded.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new,

@@ -7,7 +7,7 @@ has cached positions 0..L-2, so the last row is t = L-2: it predicts f_{L-1}, wh
 root's children (candidates for x_L). Each deeper level feeds the drafter's own predicted feature back:
 a node at depth d (token at position L-1+d) is a row reading (the feature predicted for its parent's
 position, its token), one forward per depth for the whole frontier, with a tree mask over the cache.
-The tree's rows are dropped afterwards; only committed rows stay. Streamed rounds (``grow``, greedy)
+The tree's rows are dropped afterwards; only committed rows stay. Streamed rounds (``grow``, greedy or coupled)
 grow the same rows width-adaptively and keep the provisional path's rows for the next round's seed.
 
 Greedy targets get a deterministic top-k tree with one-hot q; sampling targets get children drawn
@@ -33,7 +33,7 @@ from specsplit.features import Features
 from specsplit.heads import KV, FeatureDrafter, Manifest, check_manifest, load_artifact, read_manifest
 from specsplit.provisional import reconcile_provisional
 from specsplit.runner import ModelRunner
-from specsplit.sampling import SamplingParams, distribution, round_seed
+from specsplit.sampling import SamplingParams, distribution, round_seed, scores
 from specsplit.tree import GrowthStep, SparseDist, TokenTree
 
 
@@ -108,9 +108,10 @@ class FeatureProposer:
              provisional_max: int = 0, stop_token_ids=()) -> Iterator[GrowthStep]:
         """One DraftTree round (greedy): stream a width-adaptive tree as it grows, then draft provisionally
         from the best verified branch's leaf (``GrowthRound``). Kept provisional tokens seed the next
-        round's tree with their rows from this round. Sampling: the Propose path's tree, in one step."""
+        round's tree with their rows from this round. Coupled draws: the same on ``sampling.scores``. Rejection
+        sampling: the Propose path's tree, in one step."""
         session = self._sessions[session_id]
-        if not session.sampling.greedy:
+        if session.sampling.rejection_sampled:
             tree = self.propose(session_id, token_ids, max_nodes, stop_token_ids)
             yield GrowthStep(0, tree.token_ids, tree.parents, tree.draft_probs, done=True)
             return
@@ -134,7 +135,8 @@ class FeatureProposer:
                 if run:
                     out, tree_kv = self._expand(session, committed, tokens, run, predicted, slot, tree_kv)  # [F, H]
                     predicted.update(zip(run, out))
-                return self._logits(torch.stack([predicted[n] for n in nodes]))  # [F, H] -> [F, V']
+                return self._scores(session, torch.stack([predicted[n] for n in nodes]), committed,
+                                    [0 if n < 0 else tokens.depths[n] for n in nodes])  # [F, H] -> [F, V']
 
             return self._runner(on_model_thread)
 
@@ -194,7 +196,7 @@ class FeatureProposer:
             return TokenTree.empty()  # no features yet, or they lag the tokens: nothing to draft from
         if session.generator is not None and session.sampling.seed is not None:  # same draws on any restart
             session.generator.manual_seed(round_seed(session.sampling.seed, committed, stream=1))
-        sampled = not session.sampling.greedy
+        sampled = session.sampling.rejection_sampled
         top_k = self.config.model_top_k
         predicted: dict[int, torch.Tensor] = {-1: session.last_out}  # node -> [H] feature its row predicted
         tree_kv: KV | None = None  # the tree rows' K/V, [1, H_kv, T, D]
@@ -205,18 +207,24 @@ class FeatureProposer:
             out, tree_kv = self._expand(session, committed, tree, frontier, predicted, slot, tree_kv)  # [F, H]
             for row, node in enumerate(frontier):
                 predicted[node] = out[row]  # [H]
-            return self._logits(out)  # [F, V']
+            return self._scores(session, out, committed, [tree.depths[n] for n in frontier])  # [F, V']
 
         if sampled:
             children = lambda logits, frontier, cum: self._sampled_children(session, logits, frontier, cum)  # noqa: E731
         else:
             children = lambda logits, frontier, cum: self._top_children(logits, frontier, cum, top_k)  # noqa: E731
-        return grow_top_tree(self._logits(session.last_out[None]), children, expand, max_nodes,
-                             self.config.model_depth, top_k, sampled, stop)
+        return grow_top_tree(self._scores(session, session.last_out[None], committed, [0]), children, expand,
+                             max_nodes, self.config.model_depth, top_k, sampled, stop)
 
     def _logits(self, features: torch.Tensor) -> torch.Tensor:
         """[F, H] -> [F, V'] what ``FeatureDrafter.logits`` computes, over the pre-gathered head."""
         return features @ self.head.T
+
+    def _scores(self, session: _FeatureSession, features: torch.Tensor, committed: int, depths: list[int]
+                ) -> torch.Tensor:
+        """[F, H] -> [F, V'] the rows' logits, or with coupled draws their scores (``sampling.scores``; row f picks
+        the token at position committed + depths[f], its node's depth, 0 for the root)."""
+        return scores(self._logits(features), session.sampling, [committed + d for d in depths], self.drafter.vocab_ids)
 
     def _catch_up(self, session: _FeatureSession, token_ids: list[int]) -> None:
         """Run the pending feature rows (t, x_{t+1}) on top of the cached ones."""

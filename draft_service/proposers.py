@@ -27,7 +27,7 @@ from specsplit import kvcache
 from specsplit.config import DraftConfig
 from specsplit.models import LoadedModel
 from specsplit.runner import ModelRunner
-from specsplit.sampling import SamplingParams, distribution, round_seed
+from specsplit.sampling import SamplingParams, distribution, round_seed, scores
 from specsplit.tree import SparseDist, TokenTree, union_trees
 
 
@@ -158,18 +158,23 @@ class ModelProposer:
             return TokenTree.empty()
         if session.generator is not None and session.sampling.seed is not None:  # same draws on any restart
             session.generator.manual_seed(round_seed(session.sampling.seed, len(token_ids), stream=1))
-        logits = self._catch_up(session, token_ids)[-1:]  # [1, V] after the root (last committed token)
         committed = len(token_ids)
-        sampled = not session.sampling.greedy
+        # [1, V] after the root (last committed token); coupled draws: as scores (sampling.scores), like every row
+        logits = scores(self._catch_up(session, token_ids)[-1:], session.sampling, [committed])
+        sampled = session.sampling.rejection_sampled
         top_k = self.config.model_top_k
         slot: dict[int, int] = {}  # node -> its offset in the cache after the committed tokens
         if sampled:
             children = lambda logits, frontier, cum: self._sampled_children(session, logits, frontier, cum)  # noqa: E731
         else:
             children = lambda logits, frontier, cum: self._top_children(logits, frontier, cum, top_k)  # noqa: E731
-        tree = grow_top_tree(logits, children,
-                             lambda tree, frontier: self._expand(session.cache, committed, tree, slot, frontier),
-                             max_nodes, self.config.model_depth, top_k, sampled, frozenset(stop_token_ids))
+
+        def expand(tree: TokenTree, frontier: list[int]) -> torch.Tensor:
+            rows = self._expand(session.cache, committed, tree, slot, frontier)  # [F, V]
+            return scores(rows, session.sampling, [committed + tree.depths[n] for n in frontier])
+
+        tree = grow_top_tree(logits, children, expand, max_nodes, self.config.model_depth, top_k, sampled,
+                             frozenset(stop_token_ids))
         kvcache.truncate(session.cache, committed)
         return tree
 
@@ -184,7 +189,7 @@ class ModelProposer:
         already, and if they ran along the path, the rest of it seeds the next tree with no forward at all.
         """
         session = self._session(session_id)
-        if not session.sampling.greedy:  # sampled trees need exact q per draw: the Propose path's trees
+        if session.sampling.rejection_sampled:  # trees of draws, each sent with its q: the Propose path's trees
             tree = self.propose(session_id, token_ids, max_nodes, stop_token_ids)
             yield GrowthStep(0, tree.token_ids, tree.parents, tree.draft_probs, done=True)
             return
@@ -194,7 +199,8 @@ class ModelProposer:
         session.path_tokens, session.path_probs = [], []
         for node in range(len(seed) - 1):
             slot[node] = node  # the cache already holds them, in order, right after the committed tokens
-        root_logits = None if seed else self._catch_up(session, token_ids)[-1]  # [V] after the root
+        # [V] after the root; coupled draws: scores (sampling.scores) here and in every row below
+        root_logits = None if seed else scores(self._catch_up(session, token_ids)[-1:], session.sampling, [committed])[0]
 
         def forward(tree: GrowingTree, nodes: list[int]) -> torch.Tensor:
             """Next-token logits of each node ([F, V]); one draft forward for the non-root ones."""
@@ -202,9 +208,9 @@ class ModelProposer:
             run = [n for n in nodes if n >= 0]
             if run:  # with any ancestors not in the cache yet (a copied span's parent), ancestors first
                 run = sorted({a for n in run for a in tree.path_to(n) if a not in slot} | set(run))
-                out = self._expand(session.cache, committed, TokenTree(tuple(tree.token_ids), tuple(tree.parents)),
-                                   slot, run)  # [F, V]
-                rows.update(zip(run, out))
+                grown = TokenTree(tuple(tree.token_ids), tuple(tree.parents))
+                out = self._expand(session.cache, committed, grown, slot, run)  # [F, V]
+                rows.update(zip(run, scores(out, session.sampling, [committed + grown.depths[n] for n in run])))
             return torch.stack([rows[n] for n in nodes])  # [F, V]
 
         def forget(num_verified: int) -> None:
@@ -356,7 +362,7 @@ class CombinedProposer:
         sampling = sampling or SamplingParams()
         self.model.start(session_id, prompt_token_ids, sampling)
         self.ngram.start(session_id, prompt_token_ids, sampling)
-        self._sampled[session_id] = not sampling.greedy
+        self._sampled[session_id] = sampling.rejection_sampled
 
     def add_features(self, session_id: str, chunks) -> None:
         self.model.add_features(session_id, chunks)

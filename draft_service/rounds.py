@@ -30,14 +30,15 @@ class GrowthControl(Protocol):
 
 
 def draft_sampling(sampling: SamplingParams | None, q_top_k: int) -> tuple[SamplingParams, torch.Generator | None]:
-    """How a model draft samples for a session: the target's parameters with q truncated to ``q_top_k`` ids,
-    and its own generator (seeded from the session's seed when there is one); greedy: no generator."""
+    """How a model draft samples for a session: rejection sampling, the target's parameters with q truncated to
+    ``q_top_k`` ids, and its own generator (seeded from the session's seed when there is one); greedy or coupled
+    draws: the target's parameters, no generator (the draft's choices are the argmax of ``sampling.scores``)."""
     sampling = sampling or SamplingParams()
-    if sampling.greedy:
+    if not sampling.rejection_sampled:
         return sampling, None
     generator = session_generator(sampling, stream=1)
     top_k = min(sampling.top_k or q_top_k, q_top_k)
-    return SamplingParams(sampling.temperature, top_k, sampling.top_p, sampling.seed), generator
+    return SamplingParams(sampling.temperature, top_k, sampling.top_p, sampling.seed, rejection=True), generator
 
 
 def grow_top_tree(logits: torch.Tensor, children, expand, max_nodes: int, depth: int, top_k: int,

@@ -151,9 +151,10 @@ class DraftMixin:
 
     # -- streamed trees: the verification trigger and provisional generation -----------------------------
     def _streams_trees(self, session: LiveSession) -> bool:
-        """Greedy sessions with a model or feature (EAGLE) draft grow their trees on the draft and verify on
-        the trigger; lookup drafts (n-gram, merged with one or not) send whole trees sized by the budget."""
-        return (self.config.trigger != "budget" and session.sampling.greedy and session.draft_usable()
+        """Greedy or coupled-sampled sessions with a model or feature (EAGLE) draft grow their trees on the draft and
+        verify on the trigger; lookup drafts (n-gram, merged with one or not) and rejection sampling send whole trees
+        sized by the budget."""
+        return (self.config.trigger != "budget" and not session.sampling.rejection_sampled and session.draft_usable()
                 and self._drafter_name(session) in STREAMING_DRAFTERS)
 
     def _open_round(self, session: LiveSession, remaining: int, wait_s: float = 0.0) -> "RoundStart":
@@ -341,7 +342,7 @@ class DraftMixin:
 
     def _lookup_span(self, session: LiveSession, remaining: int) -> list[int]:
         """What prompt lookup copies after the committed tokens ([S]; [] unless the draft copies spans)."""
-        if not self._drafter_name(session).endswith("+ngram") or not session.sampling.greedy:
+        if not self._drafter_name(session).endswith("+ngram") or session.sampling.rejection_sampled:
             return []
         if session.lookup is None:
             session.lookup = SpanLookup()

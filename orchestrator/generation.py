@@ -62,7 +62,7 @@ class Orchestrator(DraftMixin):
         self._cancel_lock = threading.Lock()
         # The latest session's verification trigger per draft (``share_estimates``): a new session starts
         # from its estimates instead of from scratch. Estimates only: no token depends on them (streamed
-        # trees are greedy: the tokens are the target's whatever the trigger does).
+        # trees are greedy or coupled draws: the tokens are the target's whatever the trigger does).
         self._learned: dict[object, object] = {}
         # Generations running now, at most max_streams: each holds one of the server's threads, and a call past them
         # would wait for a thread with no word (a Cancel or a health check queued behind it).
@@ -179,13 +179,13 @@ class Orchestrator(DraftMixin):
         if not owned:
             return session  # finished or cancelled: only what the client is missing is sent
         session.skip = max(0, client_has - state.generated)  # the store lost rounds the client had seen
-        if session.skip and not state.sampling.greedy and state.sampling.seed is None:
-            # Greedy and seeded rounds come out the same again; an unseeded sampled session's trees follow measured
+        if session.skip and state.sampling.rejection_sampled and state.sampling.seed is None:
+            # Greedy, coupled and seeded rounds come out the same again; unseeded rejection sampling's trees follow
             # timings, so its draws would differ, and what follows the client's tokens would be drawn after others.
             raise DataLoss(f"session {session_id!r}: the session store lost the last {session.skip} tokens this "
-                           "client received (a store restarted without its last writes), and a sampled session "
-                           "without a seed cannot draw them again exactly; start a new generation (with a seed, a "
-                           "resume draws them again exactly)")
+                           "client received (a store restarted without its last writes), and rejection sampling without "
+                           "a seed cannot draw them again exactly; start a new generation (with a seed, a resume draws "
+                           "them again exactly)")
         state.status, state.owner, state.resumable = RUNNING, self.instance, True
         try:
             self._commit(session)  # the claim: a concurrent resume of the same session loses here

@@ -117,17 +117,18 @@ class LiveSession:
 def controller_from_state(state: SessionState, max_nodes: int) -> BudgetController:
     """The session's budget controller: fresh, or as it was after the last committed round."""
     if not state.controller:
-        return BudgetController(max_nodes=max_nodes, deterministic=state.sampling.seed is not None)
+        deterministic = state.sampling.rejection_sampled and state.sampling.seed is not None
+        return BudgetController(max_nodes=max_nodes, deterministic=deterministic)
     saved = dict(state.controller)
     saved["verify_ms"] = {int(k): v for k, v in saved.get("verify_ms", {}).items()}  # JSON keys are strings
     return BudgetController(**saved)
 
 
 def burst_sizer(state: SessionState, config, drafted: bool, info: VerifierInfo) -> BurstSizer:
-    """The session's decode-burst sizer (``orchestrator.burst``): one token a round for a seeded sampled
-    session with a draft (timings must not decide its rounds), else sized by the measured round trip; never more
-    than the verifier decodes in one Verify (``info.max_decode_steps`` after its first token)."""
-    fixed = drafted and not state.sampling.greedy and state.sampling.seed is not None
+    """The session's decode-burst sizer (``orchestrator.burst``): one token a round for a seeded session sampled by
+    rejection sampling with a draft (timings must not decide its rounds), else sized by the measured round trip; never
+    more than the verifier decodes in one Verify (``info.max_decode_steps`` after its first token)."""
+    fixed = drafted and state.sampling.rejection_sampled and state.sampling.seed is not None
     most = min(config.burst_max, info.max_decode_steps + 1) if info.max_decode_steps else config.burst_max
     return BurstSizer(most, config.burst_overhead, fixed=fixed)
 

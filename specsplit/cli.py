@@ -191,7 +191,7 @@ def generate(args) -> int:
             stream = client.generate(args.prompt, max_new_tokens=args.max_new_tokens, stop=args.stop,
                                      draft=args.draft, chat_template=not args.no_chat_template,
                                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                     seed=args.seed, resume=stack is None)
+                                     seed=args.seed, resume=stack is None, rejection_sampling=args.rejection_sampling)
             try:
                 for chunk in stream:
                     if chunk.prompt_token_ids:

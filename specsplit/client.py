@@ -252,12 +252,16 @@ class Client:
                  prompt_token_ids: Sequence[int] | None = None, max_new_tokens: int | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  stop: Sequence[str] = (), draft: str = "auto", chat_template: bool = True, session_id: str = "",
-                 timeout: float | None = None, resume: bool = False) -> GenerateStream:
-        """resume: survive the orchestrator (reconnect to any of this client's addresses and resume)."""
+                 timeout: float | None = None, resume: bool = False, rejection_sampling: bool = False
+                 ) -> GenerateStream:
+        """resume: survive the orchestrator (reconnect to any of this client's addresses and resume).
+        rejection_sampling: with temperature > 0, verify by rejection sampling against the draft's own draws instead
+        of coupled draws (the default: the tokens then depend on the seed alone; README "Sampling")."""
         if resume:
             session_id = session_id or uuid.uuid4().hex
         request = generate_request_to_pb(prompt, messages, prompt_token_ids, max_new_tokens, temperature, top_k,
-                                         top_p, seed, stop, draft, chat_template, session_id, resumable=resume)
+                                         top_p, seed, stop, draft, chat_template, session_id, resumable=resume,
+                                         rejection_sampling=rejection_sampling)
         if resume:
             return ResumableStream(self, request, timeout or self.timeout)
         return GenerateStream(self._stub(0).Generate(request, timeout=timeout or self.timeout))
@@ -301,9 +305,11 @@ class AsyncClient:
                        prompt_token_ids: Sequence[int] | None = None, max_new_tokens: int | None = None,
                        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                        stop: Sequence[str] = (), draft: str = "auto", chat_template: bool = True,
-                       session_id: str = "", timeout: float | None = None) -> AsyncIterator[Chunk]:
+                       session_id: str = "", timeout: float | None = None, rejection_sampling: bool = False
+                       ) -> AsyncIterator[Chunk]:
         request = generate_request_to_pb(prompt, messages, prompt_token_ids, max_new_tokens, temperature, top_k,
-                                         top_p, seed, stop, draft, chat_template, session_id)
+                                         top_p, seed, stop, draft, chat_template, session_id,
+                                         rejection_sampling=rejection_sampling)
         call = self._stub.Generate(request, timeout=timeout or self.timeout)
         try:
             async for msg in call:

@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     sampling = gen.add_argument_group(
         "sampling (default: greedy, token-identical to the target decoding alone)",
         "With --temperature > 0 tokens follow exactly the target's distribution (speculative sampling); with "
-        "--seed the same request gives the same tokens.")
+        "--seed the same request gives the same tokens, the ones the target decoding alone draws with that seed.")
     sampling.add_argument("--temperature", type=_at_least(0.0, float), default=0.0,
                           help="0 (default): greedy; > 0: sample from softmax(logits / temperature)")
     sampling.add_argument("--top-k", type=_at_least(0, below=INT32_END), default=0,
@@ -130,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="sample from the smallest set of tokens holding this probability (default 1, or "
                                "0: off, all tokens)")
     sampling.add_argument("--seed", type=_at_least(0, below=2**64), default=None, help="random seed (default: a fresh one)")
+    sampling.add_argument("--rejection-sampling", action="store_true",
+                          help="verify by rejection sampling against the draft's own draws (whole trees, no "
+                               "provisional drafting) instead of coupled draws, the default: with coupled draws a "
+                               "seed gives the same tokens whatever the draft, the network or the replica")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object (prompt_token_ids, token_ids, text, rounds, mean_accepted_tokens, "
                           "tokens_per_second, elapsed_s, ...) instead of streaming text")

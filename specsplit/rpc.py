@@ -72,14 +72,16 @@ def growth_from_pb(msg: draft_pb2.TreeGrowth) -> GrowthStep:
 
 
 def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+    msg = common_pb2.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                                    rejection=params.rejection)
     if params.seed is not None:
         msg.seed = params.seed
     return msg
 
 
 def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(msg.temperature, msg.top_k, msg.top_p or 1.0, msg.seed if msg.HasField("seed") else None)
+    return SamplingParams(msg.temperature, msg.top_k, msg.top_p or 1.0, msg.seed if msg.HasField("seed") else None,
+                          msg.rejection)
 
 
 @dataclass(frozen=True)
@@ -158,8 +160,8 @@ def chunk_to_pb(chunk: Chunk) -> orchestrator_pb2.GenerateChunk:
     return msg
 
 
-def generate_request_to_pb(prompt, messages, prompt_token_ids, max_new_tokens, temperature, top_k, top_p, seed,
-                           stop, draft, chat_template, session_id, resumable=False) -> orchestrator_pb2.GenerateRequest:
+def generate_request_to_pb(prompt, messages, prompt_token_ids, max_new_tokens, temperature, top_k, top_p, seed, stop,
+                           draft, chat_template, session_id, resumable=False, rejection_sampling=False):
     for m in messages or ():  # checked here: past this point a malformed message is a protobuf or KeyError
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise ValueError(f"a chat message is a dict with str 'role' and 'content', got {m!r}")
@@ -171,13 +173,12 @@ def generate_request_to_pb(prompt, messages, prompt_token_ids, max_new_tokens, t
         bad = [v for v in values if v is not None and not -2**31 <= v < 2**31]
         if bad:
             raise ValueError(f"{name} must fit in 32 bits, got {bad[0]}")
-    sampling = sampling_to_pb(SamplingParams(temperature, top_k, top_p, seed))
     msg = orchestrator_pb2.GenerateRequest(
         prompt=prompt or "",
         messages=[orchestrator_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ()],
         prompt_token_ids=list(prompt_token_ids or ()),
         no_chat_template=not chat_template,
-        sampling=sampling,
+        sampling=sampling_to_pb(SamplingParams(temperature, top_k, top_p, seed, rejection_sampling)),
         stop=[stop] if isinstance(stop, str) else list(stop or ()),  # (one string is one stop string, not its letters)
         draft=draft,
         session_id=session_id,

@@ -4,15 +4,28 @@ Terms: p is the target's distribution at a tree row (temperature, then top-k, th
 q is the distribution a draft token was actually drawn from, sent sparse as (ids, probs). A node with
 no q was proposed deterministically (q is one-hot on its token: n-gram lookup, top-k trees).
 
-Recursive rejection sampling (SpecInfer / SpecTr): at a node, try its children in order; child x drawn
-from q_x is accepted with probability min(1, p(x) / q_x(x)); after a rejection p becomes the normalised
-residual max(0, p - q_x) and the next child is tried. If every child is rejected, the recovered token
-is drawn from the residual; after an accepted leaf the bonus token is drawn from p. Each step is one
-exact speculative-sampling step against the current residual, so the committed tokens follow p exactly.
+Two exact ways to verify a sampled session's tree (``SamplingParams.rejection`` picks one):
+
+- Coupled (the default; Daliri, Musco & Suresh, "Coupling without communication and drafter-invariant
+  speculative decoding", 2024): the token at sequence position i is argmax_v(log p(v) + g_i(v)), where g_i
+  is i.i.d. Gumbel noise drawn from (seed, i) alone (``gumbel``): by the Gumbel-max trick an exact draw
+  from p, the same draw the target decoding alone with that seed makes. Draft and verifier draw the same
+  g_i, so the draft proposes its own argmax(log q + g_i) and the verifier accepts a node exactly when its
+  token is the target's choice: greedy acceptance on perturbed scores. The output does not depend on the
+  draft, the tree, the trigger or the network (a seed gives the same tokens however they were drafted),
+  and drafted tokens need no q, so sampled sessions stream growing trees and draft provisionally as
+  greedy ones do.
+- Recursive rejection sampling (SpecInfer / SpecTr): at a node, try its children in order; child x drawn
+  from q_x is accepted with probability min(1, p(x) / q_x(x)); after a rejection p becomes the normalised
+  residual max(0, p - q_x) and the next child is tried. If every child is rejected, the recovered token
+  is drawn from the residual; after an accepted leaf the bonus token is drawn from p. Each step is one
+  exact speculative-sampling step against the current residual, so the committed tokens follow p exactly.
+  The draft sends each node's q; its tokens depend on the tree, so only the Propose path's whole trees use it.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -27,11 +40,22 @@ class SamplingParams:
     temperature: float = 0.0  # 0: greedy (argmax); the output is then token-identical to greedy decoding
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1 (or 0): off
-    seed: int | None = None  # same seed, same draft, same tokens
+    seed: int | None = None  # same seed, same tokens (rejection sampling: and the same draft)
+    rejection: bool = False  # sampled: recursive rejection sampling against the draft's q instead of coupled draws
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def rejection_sampled(self) -> bool:
+        """Sampled by rejection sampling: draft tokens are draws from q, sent with it, in whole (Propose) trees."""
+        return self.rejection and not self.greedy
+
+    @property
+    def coupled(self) -> bool:
+        """Sampled with coupled draws (module docstring): verified, drafted and streamed like greedy, on ``scores``."""
+        return not self.greedy and not self.rejection
 
     def validate(self) -> None:
         if not self.temperature >= 0.0 or self.temperature != self.temperature:
@@ -84,6 +108,42 @@ def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+GUMBEL_STREAM = 2  # round_seed's stream for the coupled draws' noise (0, 1: the target's and the draft's generators)
+GUMBEL_BLOCK = 4096  # token ids per noise block: id v's noise depends on (seed, position, v // GUMBEL_BLOCK) only
+GUMBEL_CACHE = 64  # positions' noise kept (0.4 MB each for a 49k vocabulary; ~0.4 ms to draw on a CPU)
+
+
+@functools.lru_cache(maxsize=GUMBEL_CACHE)
+def gumbel(seed: int, position: int, vocab_size: int) -> torch.Tensor:
+    """[V] float64 i.i.d. Gumbel(0, 1) noise of token ids 0..V-1 at sequence position ``position`` (the index of the
+    token it picks): a function of (seed, position, id) alone, so the same on every machine (CPU generators, whatever
+    the model's device) and for any vocabulary width (a draft whose logits are narrower or padded wider). Cached (do
+    not modify it): a round's rows past the committed tokens are read again next round, and a tree's rows of one depth
+    share a position."""
+    base = round_seed(seed, position, stream=GUMBEL_STREAM)
+    blocks = []
+    for block in range(-(-vocab_size // GUMBEL_BLOCK)):
+        generator = torch.Generator().manual_seed(round_seed(base, block, stream=GUMBEL_STREAM))
+        blocks.append(torch.rand(GUMBEL_BLOCK, generator=generator, dtype=torch.float64))  # [B] in [0, 1)
+    u = torch.cat(blocks)[:vocab_size].clamp_min(1e-300)  # [V]
+    return -torch.log(-torch.log(u))
+
+
+def scores(logits: torch.Tensor, params: SamplingParams, positions: list[int],
+           vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """[R, V'] coupled scores log p(v) + g_i(v) from [R, V'] logits, row r picking the token at sequence position
+    ``positions[r]`` (float64, on the CPU): their argmax is the coupled draw, an exact draw from p. ``vocab_ids``: [V']
+    the target ids of the columns when they are not 0..V'-1 (a draft's own vocabulary). Greedy or rejection
+    sampling: the logits as they are."""
+    if not params.coupled:
+        return logits
+    log_p = distribution(logits, params).double().log().cpu()  # [R, V'] (-inf where top-k/top-p cut)
+    width = logits.shape[-1] if vocab_ids is None else int(vocab_ids.max()) + 1
+    noise = {i: gumbel(params.seed or 0, i, width) for i in set(positions)}  # position -> [W]
+    ids = None if vocab_ids is None else vocab_ids.cpu()
+    return log_p + torch.stack([noise[i] if ids is None else noise[i][ids] for i in positions])  # [R, V']
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:

@@ -39,7 +39,7 @@ from specsplit.errors import FailedPrecondition, InvalidArgument, NotFound, Reso
 from specsplit.features import Features
 from specsplit.llama import kv_shape
 from specsplit.models import LoadedModel
-from specsplit.sampling import SamplingParams, accept_sampled, distribution, round_seed
+from specsplit.sampling import SamplingParams, accept_sampled, distribution, round_seed, scores
 from specsplit.tree import TokenTree
 from verifier_service.batching import Row, cost_shares, group_overhead_for, pack_rows, prefill_row, verify_row
 from verifier_service.scheduler import Scheduler, Work
@@ -368,6 +368,10 @@ class TargetEngine(KVTransfer):
         session, tree = work.session, work.tree
         if session.sampling.greedy:
             verdict = accept_greedy(tree, argmax, work.max_commit)
+        elif session.sampling.coupled:  # the target's coupled draw after each row: greedy acceptance on those
+            positions = [session.committed_length + d for d in (0, *tree.depths)]  # [N+1] the token each row picks
+            verdict = accept_greedy(tree, scores(logits, session.sampling, positions).argmax(dim=-1).tolist(),
+                                    work.max_commit)
         else:
             if session.sampling.seed is not None:  # per-round draws: another replica would draw the same
                 session.generator.manual_seed(round_seed(session.sampling.seed, session.committed_length))

@@ -46,12 +46,15 @@ def test_client_ahead_of_the_store_gets_only_new_tokens(target):
         assert have + tokens_of(rest) == hf_greedy(target.model, PROMPT, LONG)
 
 
+@pytest.mark.parametrize("rejection", [False, True], ids=["coupled", "rejection"])
 @pytest.mark.parametrize("seed", [None, 7])
-def test_a_sampled_session_the_store_lost_tokens_of(target, seed):
-    """Sampled, the regenerated tokens are the client's only with a seed (each round's draws and trees follow from
-    it): then the resume continues exactly as the uninterrupted run; without one it fails with DATA_LOSS instead of
-    sending tokens drawn after a different prefix."""
-    sampling = dict(temperature=0.8, seed=seed, prompt_token_ids=PROMPT, max_new_tokens=LONG)
+def test_a_sampled_session_the_store_lost_tokens_of(target, seed, rejection):
+    """Sampled, the regenerated tokens are the client's when they follow from the session's seed: coupled draws always
+    (the tokens depend on the seed, the request's or the one drawn at its start, alone), rejection sampling only with a
+    request's seed (each round's draws and trees follow from it). Then the resume continues exactly as the
+    uninterrupted run; otherwise it fails with DATA_LOSS instead of sending tokens drawn after a different prefix."""
+    sampling = dict(temperature=0.8, seed=seed, prompt_token_ids=PROMPT, max_new_tokens=LONG,
+                    rejection_sampling=rejection)
     with start_stack(target, [NgramProposer(DraftConfig())]) as stack:
         client = Client(stack.address)
         whole = tokens_of(client.generate(**sampling)) if seed is not None else None
@@ -61,12 +64,14 @@ def test_a_sampled_session_the_store_lost_tokens_of(target, seed):
                 break
             except EndedEarly:  # unseeded draws can reach the end-of-text token within 6 chunks: draw again
                 assert seed is None
-        if seed is None:
+        if seed is None and rejection:
             with pytest.raises(grpc.RpcError) as info:
                 resume(client, session_id, len(have))
             assert info.value.code() == grpc.StatusCode.DATA_LOSS and "seed" in info.value.details()
-        else:
-            assert have + tokens_of(resume(client, session_id, len(have))) == whole
+            return
+        if seed is None:  # the seed the session drew at its start gives the same tokens to a new request
+            whole = tokens_of(client.generate(**{**sampling, "seed": stack.orchestrator.core.store.load(session_id).seed}))
+        assert have + tokens_of(resume(client, session_id, len(have))) == whole
 
 
 class StoreThatFailsOnce(InMemoryStore):

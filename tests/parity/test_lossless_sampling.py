@@ -1,4 +1,6 @@
-"""End to end on tiny random models: sampled output through the gRPC pipeline follows the target's p."""
+"""End to end on tiny random models: sampled output through the gRPC pipeline follows the target's p, by coupled
+draws (the default: also token-identical to the target decoding alone with the same seed, whatever the draft) and by
+rejection sampling."""
 
 import math
 
@@ -52,29 +54,33 @@ def chi_square_ok(counts: dict, expected: dict, n: int) -> tuple[float, float]:
     return stat, critical
 
 
-def sample_pairs(stack, n, draft="auto"):
+def sample_pairs(stack, n, draft="auto", rejection=False):
     counts: dict[tuple[int, int], int] = {}
     client = Client(stack.address)
     drafted = 0
     for seed in range(n):
         chunks = list(client.generate(prompt_token_ids=PROMPT, max_new_tokens=2, temperature=PARAMS.temperature,
-                                      top_k=PARAMS.top_k, top_p=PARAMS.top_p, seed=seed, draft=draft))
+                                      top_k=PARAMS.top_k, top_p=PARAMS.top_p, seed=seed, draft=draft,
+                                      rejection_sampling=rejection))
         tokens = [t for c in chunks for t in c.token_ids]
         drafted += sum(c.stats.num_draft_tokens for c in chunks if c.stats)
         counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
     return counts, drafted
 
 
+PROPOSERS = {
+    "unrelated": lambda: ModelProposer(tiny_loaded(seed=99, layers=1), DraftConfig(model_top_k=2, model_depth=2)),
+    "same": lambda: ModelProposer(tiny_loaded(seed=0), DraftConfig(model_top_k=2, model_depth=2)),
+    "ngram": lambda: NgramProposer(DraftConfig()),
+}
+
+
+@pytest.mark.parametrize("rejection", [False, True], ids=["coupled", "rejection"])
 @pytest.mark.parametrize("drafter", ["unrelated", "same", "ngram"])
-def test_first_tokens_follow_the_target(target, drafter):
-    proposers = {
-        "unrelated": lambda: ModelProposer(tiny_loaded(seed=99, layers=1), DraftConfig(model_top_k=2, model_depth=2)),
-        "same": lambda: ModelProposer(tiny_loaded(seed=0), DraftConfig(model_top_k=2, model_depth=2)),
-        "ngram": lambda: NgramProposer(DraftConfig()),
-    }
+def test_first_tokens_follow_the_target(target, drafter, rejection):
     expected = exact_pairs(target)
-    with start_stack(target, [proposers[drafter]()]) as stack:
-        counts, drafted = sample_pairs(stack, N)
+    with start_stack(target, [PROPOSERS[drafter]()]) as stack:
+        counts, drafted = sample_pairs(stack, N, rejection=rejection)
     assert drafted > 0  # the draft took part
     stat, critical = chi_square_ok(counts, expected, N)
     assert stat < critical, (stat, critical)
@@ -97,13 +103,35 @@ def test_chi_square_rejects_a_wrong_distribution(target):
     assert stat > critical
 
 
-def test_seeded_requests_are_reproducible(target):
+@pytest.mark.parametrize("rejection", [False, True], ids=["coupled", "rejection"])
+def test_seeded_requests_are_reproducible(target, rejection):
     with start_stack(target, [ModelProposer(tiny_loaded(seed=99, layers=1))]) as stack:
         client = Client(stack.address)
 
         def once(seed):
             return [t for c in client.generate(prompt_token_ids=PROMPT, max_new_tokens=24, temperature=1.5,
-                                               seed=seed) for t in c.token_ids]
+                                               seed=seed, rejection_sampling=rejection) for t in c.token_ids]
 
         assert once(7) == once(7)
         assert once(7) != once(8)
+
+
+def test_coupled_tokens_are_the_target_alone_s_whatever_the_draft(target):
+    """Coupled draws: a seed gives the tokens the target decoding alone draws with it (draft none), with an unrelated
+    draft, the target itself as the draft, or n-gram lookup; the model drafts stream growing trees and keep provisional
+    tokens (the pipelined path greedy sessions take). The target as its own draft makes the target's own choices:
+    each round the verifier accepts the draft's first-choice chain to its end, so the draft's noise is the target's."""
+    kwargs = dict(prompt_token_ids=PROMPT, max_new_tokens=40, temperature=1.2, top_p=0.9)
+    for seed in (1, 2, 3):
+        with start_stack(target, []) as alone:
+            reference = [t for c in Client(alone.address).generate(**kwargs, seed=seed, draft="none")
+                         for t in c.token_ids]
+        for drafter in PROPOSERS:
+            with start_stack(target, [PROPOSERS[drafter]()]) as stack:
+                chunks = list(Client(stack.address).generate(**kwargs, seed=seed))
+            rounds = [c.stats for c in chunks if c.stats]
+            assert [t for c in chunks for t in c.token_ids] == reference, (seed, drafter)
+            assert sum(r.num_draft_tokens for r in rounds) > 0, (seed, drafter)
+            if drafter == "same":
+                assert sum(r.provisional_kept for r in rounds) > 0, seed
+                assert all(r.num_accepted == r.tree_depth for r in rounds if r.num_draft_tokens), (seed, rounds)

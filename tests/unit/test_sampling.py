@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specsplit.accept import accept_greedy
-from specsplit.sampling import SamplingParams, accept_sampled, distribution, session_generator
+from specsplit.sampling import SamplingParams, accept_sampled, distribution, gumbel, scores, session_generator
 from specsplit.tree import SparseDist, TokenTree
 
 V = 5
@@ -182,3 +182,43 @@ def test_the_largest_seed_a_request_may_carry_seeds_every_stream():
     top = SamplingParams(temperature=0.7, seed=(1 << 64) - 1)
     target, draft = session_generator(top, stream=0), session_generator(top, stream=1)
     assert draft.initial_seed() == 0 and target.initial_seed() == (1 << 64) - 1
+
+
+# -- coupled draws: argmax(log p + Gumbel noise of (seed, position)) ---------------------------------------------------
+COUPLED = SamplingParams(temperature=0.9, top_k=4, seed=0)
+
+
+def test_coupled_draws_follow_the_target():
+    """Over seeds, the argmax of the coupled scores is distributed as p (top-k cut included); a coupled draw of a
+    different p, the same seeds, is not."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])  # [1, 6]
+    p = distribution(logits, COUPLED)[0].double()  # [6], 0 at the two cut tokens
+    n = 6000
+    counts = torch.zeros(6, dtype=torch.float64)
+    shifted = torch.zeros(6, dtype=torch.float64)
+    for seed in range(n):
+        params = SamplingParams(COUPLED.temperature, COUPLED.top_k, seed=seed)
+        counts[int(scores(logits, params, [17]).argmax())] += 1
+        shifted[int(scores(logits.flip(-1), params, [17]).argmax())] += 1
+    assert counts[4] == counts[5] == 0  # cut by top-k: never drawn
+    assert tv(counts / n, p) < 0.02
+    assert tv(shifted / n, p) > 0.2
+
+
+def test_coupled_noise_depends_on_seed_and_position_alone():
+    """The same (seed, position) gives the same noise at any vocabulary width (a draft narrower or padded wider than
+    the target), on a draft's own vocabulary subset too; another position or seed, other noise."""
+    wide = gumbel(5, 40, 10000)  # [10000]
+    assert torch.equal(gumbel(5, 40, 4097), wide[:4097])
+    assert not torch.equal(gumbel(5, 41, 10000), wide) and not torch.equal(gumbel(6, 40, 10000), wide)
+    ids = torch.tensor([3, 9999, 4096, 7])  # [V'] a draft's vocabulary as target ids
+    logits = torch.randn(2, 4)  # [2, V']
+    params = SamplingParams(temperature=1.0, seed=5)
+    got = scores(logits, params, [40, 40], vocab_ids=ids) - distribution(logits, params).double().log()  # [2, V']
+    assert torch.allclose(got, wide[ids].expand(2, -1))
+
+
+def test_coupled_scores_are_logits_for_greedy_and_rejection_sampling():
+    logits = torch.randn(3, 8)
+    assert scores(logits, SamplingParams(), [0, 1, 2]) is logits
+    assert scores(logits, SamplingParams(temperature=1.0, rejection=True), [0, 1, 2]) is logits
