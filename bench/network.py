@@ -11,8 +11,8 @@ for the services). The orchestrator reaches the verifier through the relay of th
 every Prefill and Verify pays a true TCP round trip. Without root or ``ip netns`` it falls back to the
 same processes and relays on loopback and says so in its output and results.
 
-For each RTT it runs every configuration on the same prompts (greedy; every output is checked token
-by token against HF greedy of the target), each configuration first warmed up, untimed, on a prompt of
+For each RTT it runs every configuration on the same prompts (greedy, or --temperature; every output is
+checked token by token against HF greedy of the target, or HF decoding with the same coupled draws), each configuration first warmed up, untimed, on a prompt of
 its own (--warmup-tokens; 0 measures cold starts, the adaptive triggers' learning included). Every timed
 prompt is new to every configuration: the verifier keeps no prefix cache and the draft reuses no earlier
 session's cache, so each pays its prompt's prefill on both (--warm-caches: each is cached for every
@@ -28,7 +28,8 @@ prefill is short):
     budget+0 (--configs): whole trees sized by the orchestrator's budget controller, not streamed;
     none (--configs): no draft, the target decoding alone on the cloud (what serving without specsplit's
     draft gives); any config@bN (--configs): at most N tokens per decode burst (@b1: one token a
-    request, as before bursts) instead of the orchestrator's default (OrchestratorConfig.burst_max).
+    request, as before bursts) instead of the orchestrator's default (OrchestratorConfig.burst_max);
+    rejection (--configs, with --temperature): rejection sampling, the draft's whole trees of draws.
 
 Results merge into <out>/network.json (one entry per RTT, so RTTs can be run one at a time) and
 <out>/network.md and <out>/network.png (tokens/s against RTT) are rewritten from all of it. Each
@@ -69,8 +70,9 @@ ROOT = HERE.parent
 WARMUP_PROMPT = "Describe a walk through a forest in autumn."  # --warmup-tokens; not in bench/prompts.jsonl
 sys.path.insert(0, str(ROOT))
 
-from network_report import TRIGGERS, parse_config, report  # noqa: E402
+from network_report import TRIGGERS, parse_config, report, summarize  # noqa: E402
 from specsplit.config import OrchestratorConfig  # noqa: E402
+from specsplit.sampling import SamplingParams  # noqa: E402
 
 EDGE_NS, CLOUD_NS = "ss-edge", "ss-cloud"
 EDGE_IP, CLOUD_IP = "10.77.0.1", "10.77.0.2"
@@ -88,7 +90,7 @@ def orchestrator_config(name: str, provisional_max: int, draft_timeout_s: float)
     # service default keeps such stalls from turning into target-only rounds (counted as target_only_rounds).
     base, prov, burst = parse_config(name)
     common = {"draft_timeout_s": draft_timeout_s, **({"burst_max": burst} if burst else {})}
-    if base in ("ngram", "none"):
+    if base in ("ngram", "none", "rejection"):
         return OrchestratorConfig(trigger="budget", **common)
     common.update(provisional_max=provisional_max if prov in ("prov", "seed") else 0, pipeline=prov != "seed")
     if base.startswith("fixed-"):
@@ -99,6 +101,12 @@ def orchestrator_config(name: str, provisional_max: int, draft_timeout_s: float)
 def draft_choice(name: str, drafter: str) -> str:
     base = parse_config(name)[0]
     return base if base in ("ngram", "none") else drafter
+
+
+def sampling_of(name: str, temperature: float, seed: int) -> SamplingParams:
+    """A configuration's sampling (--temperature > 0: coupled draws, or rejection sampling for the rejection row)."""
+    return SamplingParams(temperature, seed=seed, rejection=parse_config(name)[0] == "rejection") if temperature else \
+        SamplingParams()
 
 
 # -- hosts --------------------------------------------------------------------------------------------
@@ -187,6 +195,7 @@ def drive(args) -> None:
 
     torch.set_num_threads(args.threads)
     from orchestrator.generation import GenerationRequest, Orchestrator
+    from run import hf_generate
     from specsplit.models import load_model
     from specsplit.rpc import RemoteDraft, RemoteVerifier
 
@@ -200,13 +209,11 @@ def drive(args) -> None:
                                             tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    references = {}
-    for p in prompts + [code]:
+    references = {}  # HF greedy, or HF decoding with the coupled draws of the prompt's seed (its index)
+    for seed, p in enumerate(prompts + [code]):
         ids = ids_of(p)
-        with torch.no_grad():
-            out = target.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=args.max_new_tokens,
-                                        attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-        references[p["id"]] = (ids, out[0, len(ids):].tolist())
+        coupled = SamplingParams(args.temperature, seed=seed) if args.temperature else None
+        references[p["id"]] = (ids, hf_generate(target, ids, args.max_new_tokens, coupled=coupled).token_ids)
     del target
 
     verifiers = json.loads(args.verifier_for_rtt)
@@ -230,7 +237,7 @@ def drive(args) -> None:
                                          max_new_tokens=args.warmup_tokens, draft=draft_choice(name, args.drafter))
                 for _ in orch.generate(warm):
                     pass
-        for i, p in enumerate(prompts):
+        for i, p in enumerate(prompts):  # (i: the prompt's seed when sampled; the code prompt's is len(prompts))
             order = args.config_list[i % len(args.config_list):] + args.config_list[:i % len(args.config_list)]
             for name in order:
                 if name == "ngram" and i > 0:
@@ -238,7 +245,8 @@ def drive(args) -> None:
                 prompt = code if name == "ngram" else p
                 prompt_ids, expected = references[prompt["id"]]
                 request = GenerationRequest(prompt_token_ids=prompt_ids, max_new_tokens=args.max_new_tokens,
-                                            draft=draft_choice(name, args.drafter))
+                                            draft=draft_choice(name, args.drafter),
+                                            sampling=sampling_of(name, args.temperature, len(prompts) if name == "ngram" else i))
                 if args.warm_caches:  # untimed: the prompt's K/V cached on the verifier and the draft, by an
                     for _ in warmers[name].generate(replace(request, max_new_tokens=2)):  # orchestrator of its own
                         pass                                  # (the configuration's trigger learns nothing from it)
@@ -261,7 +269,7 @@ def drive(args) -> None:
                     "first_tokens": len(first[0].token_ids) if first else 0,
                     "drafted": sum(s.num_draft_tokens for s in stats), "accepted": sum(s.num_accepted for s in stats),
                     "wasted": sum(s.wasted for s in stats), "provisional_kept": sum(s.provisional_kept for s in stats),
-                    "identical": tokens == expected,
+                    "identical": None if request.sampling.rejection else tokens == expected,
                     "target_only_rounds": sum(s.drafter == "none" for s in stats),  # fallbacks, goodput's plain rounds
                     "decoded": sum(s.num_decoded for s in stats),  # tokens the verifier decoded alone in bursts
                     # per round: [ms at its chunk, drafter, tree nodes, accepted, committed, provisional kept, draft ms,
@@ -284,28 +292,6 @@ def drive(args) -> None:
     pathlib.Path(args.driver_out).write_text(json.dumps(results))
 
 
-def summarize(rtt: int, name: str, runs: list[dict]) -> dict:
-    tokens = sum(r["tokens"] for r in runs)
-    seconds = sum(r["seconds"] for r in runs)
-    rounds = sum(r["rounds"] for r in runs)
-    first_ms = sum(r["first_token_ms"] for r in runs)
-    after = seconds - first_ms / 1e3  # generation time after each run's first tokens
-    return {
-        "rtt_ms": rtt, "config": name, "tokens": tokens, "seconds": seconds,
-        "tokens_per_s": tokens / seconds if seconds else 0.0,
-        "first_token_ms": first_ms / len(runs) if runs else 0.0,  # mean over the prompts
-        # tokens/s after the first tokens: the decoding that triggers and provisional generation change, without the
-        # prefill and first round every configuration pays alike
-        "decode_tokens_per_s": (tokens - sum(r["first_tokens"] for r in runs)) / after if after > 0 else 0.0,
-        "tau": tokens / rounds if rounds else 0.0,
-        "verifications_per_100": 100.0 * rounds / tokens if tokens else 0.0,
-        "wasted": sum(r["wasted"] for r in runs), "provisional_kept": sum(r["provisional_kept"] for r in runs),
-        "identical": all(r["identical"] for r in runs),
-        "target_only_rounds": sum(r.get("target_only_rounds", 0) for r in runs),
-        "decoded": sum(r.get("decoded", 0) for r in runs), "runs": runs,
-    }
-
-
 # -- main -----------------------------------------------------------------------------------------------
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -324,6 +310,10 @@ def parse_args(argv=None):
                              "services' defaults alone: configurations take turns on each prompt, and only the first "
                              "to run a prompt would compute its prefill (measured: its first tokens 0.5-1 s later on a "
                              "long prompt), so the turn order, not the configuration, would decide first-token times")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 (default): greedy, checked against HF greedy; > 0: sampled by coupled draws (prompt i's "
+                             "seed: i), checked against HF decoding with the same draws (bench/run.py CoupledDraws), "
+                             "and the config 'rejection' samples by rejection sampling (whole trees, not checked)")
     parser.add_argument("--fixed-sizes", default="4,8,16", help="fixed tree sizes to compare (default 4,8,16)")
     parser.add_argument("--configs", default="", help="comma-separated subset of the configurations (default all)")
     parser.add_argument("--provisional-max", type=int, default=OrchestratorConfig.provisional_max,
@@ -422,7 +412,8 @@ def main(argv=None) -> int:
             "--configs", ",".join(args.config_list), "--provisional-max", str(args.provisional_max),
             "--drafter", args.drafter, "--warmup-tokens", str(args.warmup_tokens),
             *(["--warm-caches"] if args.warm_caches else []),
-            "--threads", str(args.threads), "--draft-timeout", str(args.draft_timeout)] + (["--target-model", args.target_model] if args.target_model else [])
+            "--threads", str(args.threads), "--draft-timeout", str(args.draft_timeout),
+            "--temperature", str(args.temperature)] + (["--target-model", args.target_model] if args.target_model else [])
         subprocess.run(cmd, check=True, cwd=ROOT)
         rows = json.loads(driver_out.read_text())
     finally:
@@ -433,6 +424,7 @@ def main(argv=None) -> int:
         r["network"] = network
         r["draft_growth"] = {"grow_width": args.grow_width, "branch_threshold": args.branch_threshold}
         r["warm_caches"] = args.warm_caches
+        r["temperature"] = args.temperature
         r["drafter"] = f"model:{draft_model}" if args.drafter == "model" else args.drafter
         if args.drafter.startswith("half"):
             r["draft_dtype"] = args.draft_dtype or "auto"

@@ -8,6 +8,7 @@ import math
 import pathlib
 
 TRIGGERS = ("edgellm", "goodput")
+IDENTICAL = {True: "yes", False: "NO", None: "-"}  # None: not checked (rejection sampling)
 
 
 # provisional generation in a config name: +0 off, +seed kept tokens seed the next tree (the trigger decides when
@@ -21,6 +22,29 @@ def parse_config(name: str) -> tuple[str, str, int | None]:
     name, _, burst = name.partition("@b")
     base, _, prov = name.partition("+")
     return base, prov, int(burst) if burst else None
+
+
+def summarize(rtt: int, name: str, runs: list[dict]) -> dict:
+    tokens = sum(r["tokens"] for r in runs)
+    seconds = sum(r["seconds"] for r in runs)
+    rounds = sum(r["rounds"] for r in runs)
+    first_ms = sum(r["first_token_ms"] for r in runs)
+    after = seconds - first_ms / 1e3  # generation time after each run's first tokens
+    return {
+        "rtt_ms": rtt, "config": name, "tokens": tokens, "seconds": seconds,
+        "tokens_per_s": tokens / seconds if seconds else 0.0,
+        "first_token_ms": first_ms / len(runs) if runs else 0.0,  # mean over the prompts
+        # tokens/s after the first tokens: the decoding that triggers and provisional generation change, without the
+        # prefill and first round every configuration pays alike
+        "decode_tokens_per_s": (tokens - sum(r["first_tokens"] for r in runs)) / after if after > 0 else 0.0,
+        "tau": tokens / rounds if rounds else 0.0,
+        "verifications_per_100": 100.0 * rounds / tokens if tokens else 0.0,
+        "wasted": sum(r["wasted"] for r in runs), "provisional_kept": sum(r["provisional_kept"] for r in runs),
+        # (None: not checked, rejection sampling's tokens are the draft's draws)
+        "identical": None if any(r["identical"] is None for r in runs) else all(r["identical"] for r in runs),
+        "target_only_rounds": sum(r.get("target_only_rounds", 0) for r in runs),
+        "decoded": sum(r.get("decoded", 0) for r in runs), "runs": runs,
+    }
 
 
 def best_fixed(rows: list[dict], suffix: str) -> dict | None:
@@ -46,7 +70,7 @@ def report(data: dict, out: pathlib.Path) -> str:
             first = f"{r['first_token_ms']:.0f} | {r['decode_tokens_per_s']:.2f}" if "first_token_ms" in r else "- | -"
             lines.append(f"| {label} | {PROVISIONAL.get(prov, prov)} | {r['tokens_per_s']:.2f} | {first} | "
                          f"{r['tau']:.2f} | {r['verifications_per_100']:.1f} | {r['wasted']} | {r['provisional_kept']} | "
-                         f"{r.get('decoded', 0)} | {'yes' if r['identical'] else 'NO'} |")
+                         f"{r.get('decoded', 0)} | {IDENTICAL[r['identical']]} |")
         lines.append("")
         for suffix in ("+0", "+seed", "+prov", ""):
             fixed = best_fixed(at, suffix)
