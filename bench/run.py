@@ -97,7 +97,8 @@ class ForwardCounter:
 
 class CoupledDraws:
     """An HF logits processor whose scores are the coupled draw's (``specsplit.sampling.scores``): HF generate with
-    do_sample=False then decodes the target alone with the draws specsplit makes for the seed (its tokens)."""
+    do_sample=False then decodes the target alone with the draws specsplit makes for the seed (its tokens). HF applies
+    the processors of the model's generation_config (a repetition penalty, say) before it: none for SmolLM2."""
 
     def __init__(self, params: SamplingParams):
         self.params = params

@@ -52,8 +52,10 @@ class Drafter:
                 f"the verifier serves {target_identity or '(an unnamed target)'}: it reads that model's features; "
                 "pair it with its own target or train one for this target"
             )
+        sampling = sampling or SamplingParams()
+        sampling.check_seeded()
         self._sessions[session_id] = DraftSession(list(prompt_token_ids), threading.Lock(), tuple(stop_token_ids))
-        self.proposer.start(session_id, list(prompt_token_ids), sampling or SamplingParams())
+        self.proposer.start(session_id, list(prompt_token_ids), sampling)
 
     def propose(self, session_id: str, new_token_ids: list[int], committed_length: int, max_nodes: int,
                 features: list[Features] = ()) -> tuple[TokenTree, float]:

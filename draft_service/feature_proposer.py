@@ -10,8 +10,9 @@ position, its token), one forward per depth for the whole frontier, with a tree 
 The tree's rows are dropped afterwards; only committed rows stay. Streamed rounds (``grow``, greedy or coupled)
 grow the same rows width-adaptively and keep the provisional path's rows for the next round's seed.
 
-Greedy targets get a deterministic top-k tree with one-hot q; sampling targets get children drawn
-i.i.d. from q over the drafter's (possibly pruned) vocabulary, sent with the target's token ids.
+Greedy targets get a deterministic top-k tree with one-hot q (coupled draws: the same on the rows' coupled
+scores, ``specsplit.sampling``); rejection sampling gets children drawn i.i.d. from q over the drafter's (possibly
+pruned) vocabulary, sent with the target's token ids.
 
 Features may arrive with a gap (the draft restarted, the session moved to another verifier replica by
 import): the drafter then starts its cache afresh at the first position it has; overlapping rows are
@@ -106,7 +107,7 @@ class FeatureProposer:
 
     def grow(self, session_id: str, token_ids: list[int], max_nodes: int, control: GrowthControl,
              provisional_max: int = 0, stop_token_ids=()) -> Iterator[GrowthStep]:
-        """One DraftTree round (greedy): stream a width-adaptive tree as it grows, then draft provisionally
+        """One DraftTree round (greedy or coupled draws): stream a width-adaptive tree as it grows, then draft provisionally
         from the best verified branch's leaf (``GrowthRound``). Kept provisional tokens seed the next
         round's tree with their rows from this round. Coupled draws: the same on ``sampling.scores``. Rejection
         sampling: the Propose path's tree, in one step."""
@@ -282,7 +283,8 @@ class FeatureProposer:
             base = 1.0 if parent < 0 else cum[parent]
             for rank in range(indices.shape[1]):
                 q = float(values[row, rank])
-                candidates.append((base * q, parent, int(token_ids[row, rank]), q, None, row == 0 and rank == 0))
+                if q > 0.0:  # (a token the request's top-k or top-p cut has none: coupled scores of -inf)
+                    candidates.append((base * q, parent, int(token_ids[row, rank]), q, None, row == 0 and rank == 0))
         candidates.sort(key=lambda c: (not c[5], -c[0]))
         return [c[:5] for c in candidates]
 

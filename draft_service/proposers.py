@@ -77,7 +77,8 @@ class ModelProposer:
     single forward with a tree mask over the cache; afterwards the tree's entries are cut off again.
 
     Greedy targets get a deterministic top-k tree (q one-hot), and the top-1 chain is always expanded,
-    so with draft == target the whole chain is accepted. Sampling targets get children drawn i.i.d.
+    so with draft == target the whole chain is accepted; coupled draws, the same on the rows' coupled scores
+    (``specsplit.sampling.scores``). Rejection sampling gets children drawn i.i.d.
     from the draft's truncated distribution q, which travels with each node: siblings are kept or cut
     as a prefix of their draws, never by their values, so each child stays an exact draw from q.
     """
@@ -283,7 +284,8 @@ class ModelProposer:
             base = 1.0 if parent < 0 else cum[parent]
             for rank in range(top_k):
                 q = float(values[row, rank])
-                candidates.append((base * q, parent, int(indices[row, rank]), q, None, row == 0 and rank == 0))
+                if q > 0.0:  # (a token the request's top-k or top-p cut has none: coupled scores of -inf)
+                    candidates.append((base * q, parent, int(indices[row, rank]), q, None, row == 0 and rank == 0))
         candidates.sort(key=lambda c: (not c[5], -c[0]))
         return [c[:5] for c in candidates]
 

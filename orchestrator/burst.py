@@ -17,11 +17,11 @@ slow start, was measured and dropped: its short early bursts made target-only ro
 goodput trigger, which then kept drafting; 0.78x / 0.64x tokens/s at RTT 50 / 100 with the eagle draft,
 bench/results/network_burst_eagle_slowstart.md.)
 
-Bursts never change a greedy session's tokens (each step is the target's argmax), nor a seeded sampled
-session's draws (the verifier seeds every token's draw from the seed and the committed length). What
-they change is how many rounds a session takes, and a seeded sampled session *with a draft* must not
-let timings decide that (its next trees, hence its draws, depend on the round sequence): it keeps one
-token a round (``fixed``).
+Bursts never change a greedy session's tokens (each step is the target's argmax), nor a sampled session's
+(coupled draws come from the seed and the position; rejection sampling's from the seed and the committed length).
+What they change is how many rounds a session takes, and a seeded session sampled by rejection sampling *with a
+draft* must not let timings decide that (its next trees, hence its draws, depend on the round sequence): it keeps
+one token a round (``fixed``).
 """
 
 from __future__ import annotations

@@ -165,7 +165,8 @@ class DraftMixin:
         if session.trigger is None:
             # A new session starts from what the orchestrator's latest session with this draft measured (its
             # alpha, rates, draft-or-not choice), not from scratch: the first rounds are then already sized.
-            key = ("trigger", self.config.trigger, self._drafter_name(session))
+            # (per kind of decoding too: a sampled session's draft probabilities are of perturbed scores)
+            key = ("trigger", self.config.trigger, self._drafter_name(session), session.sampling.greedy)
             learned = self._learned.get(key) if self.config.share_estimates else None
             session.trigger = (copy.deepcopy(learned) if learned is not None else
                                make_trigger(self.config.trigger, self.config.fixed_tree_nodes,

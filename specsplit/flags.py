@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     sampling = gen.add_argument_group(
         "sampling (default: greedy, token-identical to the target decoding alone)",
         "With --temperature > 0 tokens follow exactly the target's distribution (speculative sampling); with "
-        "--seed the same request gives the same tokens, the ones the target decoding alone draws with that seed.")
+        "--seed the same request gives the same tokens: by default those the target decoding alone (--draft none) draws "
+        "with that seed, whatever the draft.")
     sampling.add_argument("--temperature", type=_at_least(0.0, float), default=0.0,
                           help="0 (default): greedy; > 0: sample from softmax(logits / temperature)")
     sampling.add_argument("--top-k", type=_at_least(0, below=INT32_END), default=0,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specsplit.accept import Verdict
@@ -57,6 +58,13 @@ class SamplingParams:
         """Sampled with coupled draws (module docstring): verified, drafted and streamed like greedy, on ``scores``."""
         return not self.greedy and not self.rejection
 
+    def check_seeded(self) -> None:
+        """A service's session (verifier, draft): coupled draws come from the session's seed, which both sides must
+        share (the orchestrator sends the request's, or one it drew); without one they would all draw seed 0's."""
+        if self.coupled and self.seed is None:
+            raise InvalidArgument("sampling by coupled draws needs the session's seed (the orchestrator sends one): "
+                                  "set seed, or rejection=true")
+
     def validate(self) -> None:
         if not self.temperature >= 0.0 or self.temperature != self.temperature:
             raise InvalidArgument(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
@@ -69,9 +77,9 @@ class SamplingParams:
 
 
 def session_generator(sampling: SamplingParams, stream: int = 0) -> torch.Generator | None:
-    """A sampling session's own RNG (None for greedy): seeded ``seed + stream`` when the session has a seed
-    (stream 0: the target's, 1: the draft's), from the OS otherwise."""
-    if sampling.greedy:
+    """A rejection-sampling session's own RNG (None for greedy or coupled draws): seeded ``seed + stream`` when the
+    session has a seed (stream 0: the target's, 1: the draft's), from the OS otherwise."""
+    if not sampling.rejection_sampled:
         return None
     generator = torch.Generator()
     # (mod 2^64: a request's seed may be 2^64 - 1, the largest torch takes)
@@ -111,39 +119,69 @@ def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 GUMBEL_STREAM = 2  # round_seed's stream for the coupled draws' noise (0, 1: the target's and the draft's generators)
-GUMBEL_BLOCK = 4096  # token ids per noise block: id v's noise depends on (seed, position, v // GUMBEL_BLOCK) only
-GUMBEL_CACHE = 64  # positions' noise kept (0.4 MB each for a 49k vocabulary; ~0.4 ms to draw on a CPU)
+GUMBEL_CACHE = 256  # positions' noise rows kept per device (0.4 MB each for a 49k vocabulary)
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's constants
+
+
+def _int64(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's output function on int64 tensors, bit for bit on any device (products wrap mod 2^64; each right
+    shift is masked to a logical one, int64 shifts being arithmetic)."""
+    x = (x ^ ((x >> 30) & ((1 << 34) - 1))) * _int64(_MIX1)
+    x = (x ^ ((x >> 27) & ((1 << 37) - 1))) * _int64(_MIX2)
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
 
 
 @functools.lru_cache(maxsize=GUMBEL_CACHE)
-def gumbel(seed: int, position: int, vocab_size: int) -> torch.Tensor:
+def gumbel(seed: int, position: int, vocab_size: int, device: str = "cpu") -> torch.Tensor:
     """[V] float64 i.i.d. Gumbel(0, 1) noise of token ids 0..V-1 at sequence position ``position`` (the index of the
-    token it picks): a function of (seed, position, id) alone, so the same on every machine (CPU generators, whatever
-    the model's device) and for any vocabulary width (a draft whose logits are narrower or padded wider). Cached (do
-    not modify it): a round's rows past the committed tokens are read again next round, and a tree's rows of one depth
-    share a position."""
-    base = round_seed(seed, position, stream=GUMBEL_STREAM)
-    blocks = []
-    for block in range(-(-vocab_size // GUMBEL_BLOCK)):
-        generator = torch.Generator().manual_seed(round_seed(base, block, stream=GUMBEL_STREAM))
-        blocks.append(torch.rand(GUMBEL_BLOCK, generator=generator, dtype=torch.float64))  # [B] in [0, 1)
-    u = torch.cat(blocks)[:vocab_size].clamp_min(1e-300)  # [V]
+    token it picks): id v's is splitmix64 of (the 64-bit key of seed and position) + v·golden, so a function of (seed,
+    position, id) alone, the same on every device and for any vocabulary width (a draft whose logits are narrower or
+    padded wider), from integer arithmetic any machine does alike (numpy on a CPU, faster; torch elsewhere: the same
+    bits). Cached (do not modify it): a round's rows past the committed tokens are read again next round, and a tree's
+    rows of one depth share a position."""
+    key = round_seed(seed, position, stream=GUMBEL_STREAM)
+    return _gumbel_numpy(key, vocab_size) if device == "cpu" else _gumbel_torch(key, vocab_size, device)
+
+
+def _gumbel_numpy(key: int, vocab_size: int) -> torch.Tensor:
+    x = np.arange(vocab_size, dtype=np.uint64) * np.uint64(_GOLDEN) + np.uint64(key)  # [V] (uint64 wraps)
+    for shift, mul in ((30, _MIX1), (27, _MIX2)):
+        x = (x ^ (x >> np.uint64(shift))) * np.uint64(mul)
+    x = x ^ (x >> np.uint64(31))  # [V] 64 random bits each
+    u = ((x >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0 ** -53  # [V] uniform in (0, 1), 53 bits
+    return torch.from_numpy(-np.log(-np.log(u)))
+
+
+def _gumbel_torch(key: int, vocab_size: int, device: str) -> torch.Tensor:
+    ids = torch.arange(vocab_size, dtype=torch.int64, device=device)  # [V]
+    bits = _splitmix64(ids * _int64(_GOLDEN) + _int64(key))  # [V] the same bits as _gumbel_numpy's
+    u = (((bits >> 11) & ((1 << 53) - 1)).double() + 0.5) * 2.0 ** -53  # [V]
     return -torch.log(-torch.log(u))
 
 
 def scores(logits: torch.Tensor, params: SamplingParams, positions: list[int],
            vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """[R, V'] coupled scores log p(v) + g_i(v) from [R, V'] logits, row r picking the token at sequence position
-    ``positions[r]`` (float64, on the CPU): their argmax is the coupled draw, an exact draw from p. ``vocab_ids``: [V']
-    the target ids of the columns when they are not 0..V'-1 (a draft's own vocabulary). Greedy or rejection
-    sampling: the logits as they are."""
+    """[R, V'] coupled scores log p(v) + g_i(v) (up to a constant per row) from [R, V'] logits, row r picking the token
+    at sequence position ``positions[r]`` (float64, on the logits' device): their argmax is the coupled draw, an exact
+    draw from p. ``vocab_ids``: [V'] the target ids of the columns when they are not 0..V'-1 (a draft's own
+    vocabulary). Greedy or rejection sampling: the logits as they are."""
     if not params.coupled:
         return logits
-    log_p = distribution(logits, params).double().log().cpu()  # [R, V'] (-inf where top-k/top-p cut)
+    assert params.seed is not None, "coupled draws need the session's seed (SamplingParams.check_seeded)"
+    if 0.0 < params.top_p < 1.0:
+        log_p = distribution(logits, params).double().log()  # [R, V'] (-inf where top-k/top-p cut)
+    else:  # log p up to its normaliser: logits / temperature, top-k's cut at -inf
+        log_p = logits.double() / params.temperature  # [R, V']
+        if params.top_k and params.top_k < log_p.shape[-1]:
+            log_p = log_p.masked_fill(log_p < log_p.topk(params.top_k, dim=-1).values[..., -1:], float("-inf"))
     width = logits.shape[-1] if vocab_ids is None else int(vocab_ids.max()) + 1
-    noise = {i: gumbel(params.seed or 0, i, width) for i in set(positions)}  # position -> [W]
-    ids = None if vocab_ids is None else vocab_ids.cpu()
-    return log_p + torch.stack([noise[i] if ids is None else noise[i][ids] for i in positions])  # [R, V']
+    device = str(logits.device)
+    noise = {i: gumbel(params.seed, i, width, device) for i in set(positions)}  # position -> [W]
+    return log_p + torch.stack([noise[i] if vocab_ids is None else noise[i][vocab_ids] for i in positions])
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:

@@ -66,7 +66,8 @@ class SessionState:
     @classmethod
     def from_json(cls, text: str | bytes) -> "SessionState":
         data = json.loads(text)
-        data["sampling"] = SamplingParams(**data["sampling"])
+        known = SamplingParams.__dataclass_fields__  # (a field a later version added is dropped, not a TypeError)
+        data["sampling"] = SamplingParams(**{k: v for k, v in data["sampling"].items() if k in known})
         return cls(**data)
 
 

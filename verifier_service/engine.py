@@ -20,8 +20,8 @@ one -- for a feature drafter, and for *Medusa proposals*: the verifier's own hea
 (``verifier_service.medusa``) turn the feature of the last cached position into the tree the next
 Verify checks (self-speculation, no draft service).
 
-A sampled session with a seed reseeds its generator every round from (seed, committed length), so
-another replica (after failover, an import or a re-prefill) continues with exactly the same draws.
+Coupled draws come from (seed, position); rejection sampling with a seed reseeds every round from (seed, committed
+length): another replica (after failover, an import or a re-prefill) continues with exactly the same draws.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class TargetEngine(KVTransfer):
         return_features / medusa: this and every later answer of the session carries the features of the
         newly cached positions / a Medusa proposal tree."""
         sampling = sampling or SamplingParams()
-        sampling.validate()
+        sampling.validate(), sampling.check_seeded()
         self._check_new(session_id, prompt_token_ids)
         if medusa and self.medusa is None:
             raise FailedPrecondition("this verifier has no Medusa heads (start it with --medusa PATH)")
@@ -330,7 +330,7 @@ class TargetEngine(KVTransfer):
         if kept is None or not len(kept):
             return None, (TokenTree.empty() if session.medusa else None)
         features = Features.of(start_position, kept) if session.return_features else None
-        proposal = self.medusa.propose(kept[-1]) if session.medusa else None
+        proposal = self.medusa.propose(kept[-1], session.sampling, session.committed_length) if session.medusa else None
         return features, proposal
 
     def _forward(self, rows: list[Row], needs_logits: list[bool], needs_hidden: bool = False
@@ -368,10 +368,9 @@ class TargetEngine(KVTransfer):
         session, tree = work.session, work.tree
         if session.sampling.greedy:
             verdict = accept_greedy(tree, argmax, work.max_commit)
-        elif session.sampling.coupled:  # the target's coupled draw after each row: greedy acceptance on those
-            positions = [session.committed_length + d for d in (0, *tree.depths)]  # [N+1] the token each row picks
-            verdict = accept_greedy(tree, scores(logits, session.sampling, positions).argmax(dim=-1).tolist(),
-                                    work.max_commit)
+        elif session.sampling.coupled:  # greedy acceptance on the target's coupled draws after the rows ([N+1, V])
+            draws = scores(logits, session.sampling, [session.committed_length + d for d in (0, *tree.depths)])
+            verdict = accept_greedy(tree, draws.argmax(dim=-1).tolist(), work.max_commit)
         else:
             if session.sampling.seed is not None:  # per-round draws: another replica would draw the same
                 session.generator.manual_seed(round_seed(session.sampling.seed, session.committed_length))

@@ -5,7 +5,8 @@ position t; its own LM head has just turned it into x_{t+1}, the pending token (
 Head k (0-based) predicts x_{t+2+k}: the root's descendants at depth k+1. The tree takes the heads'
 top-k tokens along a fixed sparse shape (``sparse_tree_paths``), built once: a path [r_1, ..., r_d]
 is the node whose depth-j token is head j-1's rank-r_j choice. The candidates are a deterministic
-function of the committed tokens, so one-hot q keeps greedy and sampled acceptance exact.
+function of the committed tokens (and, sampled by coupled draws, of the seed: the heads' tokens are ranked by their
+coupled scores), so one-hot q keeps greedy and sampled acceptance exact.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 
 from specsplit.errors import FailedPrecondition, InvalidArgument
 from specsplit.heads import ARTIFACTS_DIR, MedusaHeads, check_manifest, load_artifact, read_manifest
+from specsplit.sampling import SamplingParams, scores
 from specsplit.tree import TokenTree
 
 RANK_WEIGHTS = (0.6, 0.15, 0.08, 0.05, 0.03, 0.02, 0.01, 0.01)  # rough P(accept) of a head's rank-r token
@@ -48,10 +50,14 @@ class MedusaProposer:
         self.max_nodes = len(self.paths)
 
     @torch.inference_mode()
-    def propose(self, feature: torch.Tensor) -> TokenTree:
-        """feature: [H] the target's feature at the last cached position -> the next Verify's tree."""
+    def propose(self, feature: torch.Tensor, sampling: SamplingParams = SamplingParams(), position: int = 0
+                ) -> TokenTree:
+        """feature: [H] the target's feature at the last cached position -> the next Verify's tree. position: the
+        sequence index of head 0's token (the committed tokens' count, the pending one included): a session sampled
+        by coupled draws ranks each head's tokens by their coupled scores there (``specsplit.sampling.scores``)."""
         w = self.lm_head.weight
         logits = self.lm_head(self.heads(feature.to(w.dtype)[None])[:, 0])  # [K, V]
+        logits = scores(logits, sampling, [position + k for k in range(len(logits))])  # [K, V]
         ranked = logits.topk(self.top_k, dim=-1).indices.tolist()  # [K, k]
         tokens = tuple(ranked[len(p) - 1][p[-1]] for p in self.paths)  # [N]
         return TokenTree(tokens, self.parents, (1.0,) * len(tokens))

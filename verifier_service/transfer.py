@@ -47,7 +47,7 @@ class KVTransfer:
         answer carries no features and no Medusa tree; later Verify answers do, if asked here)."""
         start = time.perf_counter()
         sampling = sampling or SamplingParams()
-        sampling.validate()
+        sampling.validate(), sampling.check_seeded()
         self._check_new(session_id, token_ids)
         if offload.cached_length(blob) != len(token_ids) - 1:
             raise InvalidArgument(f"KV blob caches {offload.cached_length(blob)} positions; {len(token_ids)} committed "

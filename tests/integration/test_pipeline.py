@@ -221,10 +221,10 @@ def test_a_new_session_starts_from_the_latest_sessions_estimates(target, monkeyp
     with start_stack(target, [ModelProposer(tiny_loaded(seed=99, layers=1))]) as stack:
         client, learned = Client(stack.address), stack.orchestrator.core._learned
         list(client.generate(prompt_token_ids=PROMPT, max_new_tokens=20, draft="model"))
-        first = learned[("trigger", "goodput", "model")]
+        first = learned[("trigger", "goodput", "model", True)]
         snapshot = copy.deepcopy(first)
         list(client.generate(prompt_token_ids=PROMPT, max_new_tokens=20, draft="model"))
-        second = learned[("trigger", "goodput", "model")]
+        second = learned[("trigger", "goodput", "model", True)]
         assert made == [first]  # one trigger made from scratch; the second session's is a copy
         assert second is not first and first == snapshot  # the copy moved on, the first one stayed as it was
     fresh = OrchestratorConfig(share_estimates=False)

@@ -144,7 +144,7 @@ def test_rounds_without_the_model_still_copy_spans(target, target_dir):
     prompt = list(range(30, 50)) * 3  # the text repeats: after its last 3-gram, lookup copies what followed before
     config = OrchestratorConfig(trigger="goodput", tree_max_nodes=16)
     with start_stack(target, [proposer], orchestrator_config=config) as stack:
-        stack.orchestrator.core._learned[("trigger", "goodput", "half+ngram")] = GoodputThreshold(
+        stack.orchestrator.core._learned[("trigger", "goodput", "half+ngram", True)] = GoodputThreshold(
             drafting=False, drafted=(1.0, 1000.0), plain=(1.0, 10.0), probe_every=10**6)  # never draft, never probe
         tokens, stats = run(stack, prompt, 24, "half+ngram")
     assert tokens == hf_greedy(target.model, prompt, 24)

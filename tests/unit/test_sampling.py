@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from specsplit.accept import accept_greedy
-from specsplit.sampling import SamplingParams, accept_sampled, distribution, gumbel, scores, session_generator
+from specsplit.sampling import (GUMBEL_STREAM, SamplingParams, _gumbel_torch, accept_sampled, distribution, gumbel,
+                                round_seed, scores, session_generator)
 from specsplit.tree import SparseDist, TokenTree
 
 V = 5
@@ -207,14 +208,16 @@ def test_coupled_draws_follow_the_target():
 
 def test_coupled_noise_depends_on_seed_and_position_alone():
     """The same (seed, position) gives the same noise at any vocabulary width (a draft narrower or padded wider than
-    the target), on a draft's own vocabulary subset too; another position or seed, other noise."""
+    the target), on a draft's own vocabulary subset too, and from the torch code a GPU runs (the same bits: only the
+    logarithms may round differently); another position or seed, other noise."""
     wide = gumbel(5, 40, 10000)  # [10000]
     assert torch.equal(gumbel(5, 40, 4097), wide[:4097])
+    assert torch.allclose(_gumbel_torch(round_seed(5, 40, GUMBEL_STREAM), 10000, "cpu"), wide, rtol=1e-15, atol=0)
     assert not torch.equal(gumbel(5, 41, 10000), wide) and not torch.equal(gumbel(6, 40, 10000), wide)
     ids = torch.tensor([3, 9999, 4096, 7])  # [V'] a draft's vocabulary as target ids
     logits = torch.randn(2, 4)  # [2, V']
     params = SamplingParams(temperature=1.0, seed=5)
-    got = scores(logits, params, [40, 40], vocab_ids=ids) - distribution(logits, params).double().log()  # [2, V']
+    got = scores(logits, params, [40, 40], vocab_ids=ids) - logits.double() / params.temperature  # [2, V']
     assert torch.allclose(got, wide[ids].expand(2, -1))
 
 
