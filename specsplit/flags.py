@@ -353,7 +353,7 @@ def _tree_flags(parser: argparse.ArgumentParser) -> None:
 
     d = OrchestratorConfig()
     group = parser.add_argument_group(
-        "streamed trees (orchestrator; greedy requests with a model or eagle draft)",
+        "streamed trees (orchestrator; greedy and sampled requests, not --rejection-sampling, with a model or eagle draft)",
         "The draft streams a width-adaptive tree as it grows; the orchestrator sends it for verification when "
         "the tree's confidence falls below a threshold alpha, and the draft keeps drafting from the best "
         "branch while it is verified (provisional tokens; kept when they continue the committed text).")
