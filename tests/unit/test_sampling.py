@@ -179,10 +179,13 @@ def test_q_used_is_the_q_sampled_from():
 
 
 def test_the_largest_seed_a_request_may_carry_seeds_every_stream():
-    """--seed takes 0 .. 2^64 - 1; the draft's stream (seed + 1) wraps instead of overflowing torch's seed."""
-    top = SamplingParams(temperature=0.7, seed=(1 << 64) - 1)
+    """--seed takes 0 .. 2^64 - 1; rejection sampling's draft stream (seed + 1) wraps instead of overflowing torch's
+    seed, and coupled draws key their noise with it."""
+    top = SamplingParams(temperature=0.7, seed=(1 << 64) - 1, rejection=True)
     target, draft = session_generator(top, stream=0), session_generator(top, stream=1)
     assert draft.initial_seed() == 0 and target.initial_seed() == (1 << 64) - 1
+    coupled = SamplingParams(temperature=0.7, seed=(1 << 64) - 1)
+    assert session_generator(coupled) is None and torch.isfinite(scores(torch.randn(2, 8), coupled, [3, 4])).all()
 
 
 # -- coupled draws: argmax(log p + Gumbel noise of (seed, position)) ---------------------------------------------------
