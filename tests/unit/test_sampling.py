@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from specsplit.accept import accept_greedy
-from specsplit.sampling import (GUMBEL_STREAM, SamplingParams, _gumbel_torch, accept_sampled, distribution, gumbel,
-                                round_seed, scores, session_generator)
+from specsplit.sampling import (GUMBEL_STREAM, TOP_P_CANDIDATES, SamplingParams, _gumbel_torch, accept_sampled,
+                                distribution, gumbel, round_seed, scores, session_generator)
 from specsplit.tree import SparseDist, TokenTree
 
 V = 5
@@ -228,3 +228,19 @@ def test_coupled_scores_are_logits_for_greedy_and_rejection_sampling():
     logits = torch.randn(3, 8)
     assert scores(logits, SamplingParams(), [0, 1, 2]) is logits
     assert scores(logits, SamplingParams(temperature=1.0, rejection=True), [0, 1, 2]) is logits
+
+
+def test_top_p_over_a_wide_vocabulary_is_the_full_sort_s():
+    """Top-p looks among the likeliest TOP_P_CANDIDATES tokens first: the same distribution as sorting them all, for a
+    peaked row (the set lies among them) and a flat one (it does not: everything is sorted)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.stack([torch.randn(5000, generator=g) * 4, torch.randn(5000, generator=g) * 0.1])  # [2, 5000]
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    probs = (logits / params.temperature).softmax(dim=-1)  # [2, 5000]
+    ranked, order = probs.sort(dim=-1, descending=True)
+    keep = (ranked.cumsum(dim=-1) - ranked) < params.top_p  # [2, 5000] the smallest set holding 0.9, in rank order
+    want = torch.zeros_like(probs).scatter(-1, order, ranked * keep)
+    want = want / want.sum(dim=-1, keepdim=True)
+    got = distribution(logits, params)
+    assert (got[0] > 0).sum() < TOP_P_CANDIDATES < (got[1] > 0).sum()  # both paths taken
+    assert torch.allclose(got, want, atol=1e-7)
