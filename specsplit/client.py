@@ -106,14 +106,19 @@ class ResumableStream(GenerateStream):
     """A generation that survives its orchestrator: after a failure it reconnects to any of the client's
     orchestrators and resumes the session after the last token it received (none lost, none repeated).
 
-    ``reconnects`` counts the resumes; ``session_id`` names the session (chosen by the client).
+    ``reconnects`` counts the resumes; ``session_id`` names the session (chosen by the client). Also the stream of a
+    plain generation given several addresses (``resumable=False``): that one only moves its start.
     """
 
-    def __init__(self, client: "Client", request, timeout: float | None):
+    def __init__(self, client: "Client", request, timeout: float | None, resumable: bool = True):
+        """resumable=False: a plain generation given several addresses: it moves to the next address only while
+        nothing has come back (an address down or full, or a call broken before the first chunk: nothing was
+        generated for it), once per address, and then fails at once; a failure after its first chunk is raised."""
         super().__init__(None)
         self._client = client
         self._request = request
         self._timeout = timeout
+        self._resumable = resumable
         self._cancelled = False
         self._index = 0  # the orchestrator in use
         self.session_id = request.session_id
@@ -138,7 +143,7 @@ class ResumableStream(GenerateStream):
             span.end()
 
     def _calls(self, span) -> Iterator[Chunk]:
-        request, received, started = self._request, 0, False
+        request, received, started, heard = self._request, 0, False, False  # heard: any chunk came back
         give_up_at = None
         delay, attempt = 0.05, 0
         while True:
@@ -149,6 +154,7 @@ class ResumableStream(GenerateStream):
             try:
                 for msg in self._call:
                     chunk = chunk_from_pb(msg)
+                    heard = True
                     give_up_at, delay, attempt = None, 0.05, 0  # progress: a later failure gets a fresh window
                     if chunk.prompt_token_ids is not None and not chunk.token_ids and not chunk.finish_reason:
                         if started:
@@ -175,6 +181,10 @@ class ResumableStream(GenerateStream):
                     raise
                 # A start that no orchestrator took (full, or never reached) is the same start at the next address.
                 refused = full or (not started and not resuming and never_reached(err))
+                if not self._resumable:  # a plain generation: the same start elsewhere while none of it came back
+                    refused = not heard
+                    if not refused:
+                        raise
                 if refused and attempt + 1 >= len(self._client.addresses):
                     raise  # every address refused the start (none answers: a wrong address, a service that is down)
                 now = time.monotonic()
@@ -198,9 +208,9 @@ class ResumableStream(GenerateStream):
     def cancel(self, timeout: float = 5.0) -> None:
         """Cancel the session itself (a resumable session outlives a dropped stream), then the stream. The Cancel goes
         to the orchestrator in use, and to the others in turn if it cannot be reached (any of them can cancel a
-        session in the store they share)."""
+        session in the store they share). A plain generation ends with its call."""
         self._cancelled = True
-        n = len(self._client.addresses)
+        n = len(self._client.addresses) if self._resumable else 0
         for k in range(n):
             try:
                 self._client.cancel(self.session_id, index=(self._index + k) % n, timeout=timeout)
@@ -262,8 +272,8 @@ class Client:
         request = generate_request_to_pb(prompt, messages, prompt_token_ids, max_new_tokens, temperature, top_k,
                                          top_p, seed, stop, draft, chat_template, session_id, resumable=resume,
                                          rejection_sampling=rejection_sampling)
-        if resume:
-            return ResumableStream(self, request, timeout or self.timeout)
+        if resume or len(self.addresses) > 1:  # (several addresses: a plain generation may start on any of them)
+            return ResumableStream(self, request, timeout or self.timeout, resumable=resume)
         return GenerateStream(self._stub(0).Generate(request, timeout=timeout or self.timeout))
 
     def cancel(self, session_id: str, index: int = 0, timeout: float = 5.0) -> bool:

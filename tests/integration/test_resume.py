@@ -2,6 +2,7 @@
 
 import contextlib
 import threading
+import time
 
 import grpc
 import pytest
@@ -212,6 +213,43 @@ def test_sdk_starts_on_the_second_orchestrator_when_the_first_is_down(target):
         assert [(r.failed, r.code, r.next, r.attempt) for r in told] == [
             (down, grpc.StatusCode.UNAVAILABLE, stack.address, 1)]
         assert 9 < told[0].seconds_left <= 10
+
+
+def test_a_plain_generation_starts_on_the_next_address_and_never_moves_after_its_first_chunk(target):
+    """Several addresses without resume=True: a generation whose first address is down starts on the next one (before,
+    it only ever dialled the first and failed); every address down fails at once; once chunks have come back, a
+    failure is raised, not hidden by a start elsewhere (its tokens would be a second generation's)."""
+    from redis_server import free_port
+
+    with two_orchestrators(target) as (stack, second, _):
+        down = f"127.0.0.1:{free_port()}"  # nothing listens there
+        told = []
+        stream = Client([down, stack.address], on_reconnect=told.append).generate(prompt_token_ids=PROMPT,
+                                                                                  max_new_tokens=20)
+        assert tokens_of(list(stream)) == hf_greedy(target.model, PROMPT, 20)
+        assert stream.reconnects == 1 and [(r.failed, r.next) for r in told] == [(down, stack.address)]
+
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            list(Client([down, f"127.0.0.1:{free_port()}"], reconnect_s=30).generate(prompt_token_ids=PROMPT,
+                                                                                    max_new_tokens=4))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - started < 10
+
+        stream = Client([stack.address, second.address]).generate(prompt_token_ids=PROMPT, max_new_tokens=200)
+        got = []
+        with pytest.raises(grpc.RpcError):
+            for chunk in stream:
+                got.append(chunk)
+                if len(got) == 3:
+                    stack.orchestrator.stop(grace=0)  # the first orchestrator goes away mid-stream
+        assert len(got) == 3 and stream.reconnects == 0 and second.core.generating() == 0
+
+
+def test_a_plain_generation_refused_for_want_of_room_starts_on_the_next_orchestrator(target):
+    with two_orchestrators(target, first_config=OrchestratorConfig(max_streams=0)) as (_, _, client):
+        stream = client.generate(prompt_token_ids=PROMPT, max_new_tokens=8)
+        assert tokens_of(stream) == hf_greedy(target.model, PROMPT, 8)
+        assert stream.reconnects == 1
 
 
 def test_a_resumable_stream_cancelled_before_it_is_read_never_starts(target):
