@@ -70,6 +70,7 @@ ROOT = HERE.parent
 WARMUP_PROMPT = "Describe a walk through a forest in autumn."  # --warmup-tokens; not in bench/prompts.jsonl
 sys.path.insert(0, str(ROOT))
 
+import procstat  # noqa: E402
 from network_report import TRIGGERS, parse_config, report, summarize  # noqa: E402
 from specsplit.config import OrchestratorConfig  # noqa: E402
 from specsplit.sampling import SamplingParams  # noqa: E402
@@ -217,6 +218,7 @@ def drive(args) -> None:
     del target
 
     verifiers = json.loads(args.verifier_for_rtt)
+    busy_pids = json.loads(args.busy_pids)  # {"draft": pid, "verifier": pid}: whose CPU time each run records
     warm_ids = ids_of({"prompt": WARMUP_PROMPT})
     results = []
     for rtt in args.rtts:
@@ -250,6 +252,7 @@ def drive(args) -> None:
                 if args.warm_caches:  # untimed: the prompt's K/V cached on the verifier and the draft, by an
                     for _ in warmers[name].generate(replace(request, max_new_tokens=2)):  # orchestrator of its own
                         pass                                  # (the configuration's trigger learns nothing from it)
+                cpu_before = procstat.read(busy_pids)
                 start = time.perf_counter()
                 chunks, at = [], []  # at: ms since the start when each chunk arrived
                 for chunk in orchs[name].generate(request):
@@ -275,6 +278,7 @@ def drive(args) -> None:
                     # per round: [ms at its chunk, drafter, tree nodes, accepted, committed, provisional kept, draft ms,
                     # verifier ms]
                     "rounds_timeline": timeline,
+                    "cpu_ms": procstat.used(cpu_before, procstat.read(busy_pids)),  # each service process's CPU time
                 })
         for name in args.config_list:
             orchs[name].close()
@@ -342,7 +346,7 @@ def parse_args(argv=None):
     parser.add_argument("--report-only", action="store_true", help="rewrite network.md/png from network.json")
     parser.add_argument("--conditions", default="", help="a line describing the machine, stored with the results")
     parser.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)  # the driver process on the edge
-    for internal in ("--driver-out", "--verifier-for-rtt", "--draft", "--ngram"):
+    for internal in ("--driver-out", "--verifier-for-rtt", "--draft", "--ngram", "--busy-pids"):
         parser.add_argument(internal, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.rtts = [int(x) for x in args.rtts.split(",") if x]
@@ -383,8 +387,8 @@ def main(argv=None) -> int:
     cold_verifier, cold_draft = ([], []) if args.warm_caches else (["--prefix-cache-tokens", "0"], ["--no-cache-reuse"])
     try:
         model_args = ["--target-model", args.target_model] if args.target_model else []
-        hosts.start(CLOUD_NS, "verifier", serve + ["verifier", "--listen", f"{hosts.cloud_ip}:{VERIFIER_PORT}",
-                                                  "--max-batch", "1", *model_args, *common, *cold_verifier], "serving on")
+        verifier = hosts.start(CLOUD_NS, "verifier", serve + ["verifier", "--listen", f"{hosts.cloud_ip}:{VERIFIER_PORT}",
+                               "--max-batch", "1", *model_args, *common, *cold_verifier], "serving on")
         verifiers = {}
         for i, rtt in enumerate(args.rtts):
             port = RELAY_PORT0 + i
@@ -398,7 +402,7 @@ def main(argv=None) -> int:
                    "eagle": ["--draft", "eagle", *model_args] + (["--draft-artifact", args.draft_artifact]
                                                                  if args.draft_artifact else [])}[args.drafter]
         width = ["--grow-width", str(args.grow_width)] if args.grow_width else []  # default: the service's
-        hosts.start(EDGE_NS, "draft", serve + ["draft", "--listen", f"{hosts.edge_ip}:{DRAFT_PORT}", *drafter, *width,
+        draft = hosts.start(EDGE_NS, "draft", serve + ["draft", "--listen", f"{hosts.edge_ip}:{DRAFT_PORT}", *drafter, *width,
                                               "--branch-threshold", str(args.branch_threshold), *common, *cold_draft],
                     "serving on")
         hosts.start(EDGE_NS, "ngram", serve + ["draft", "--listen", f"{hosts.edge_ip}:{NGRAM_PORT}", "--draft", "ngram",
@@ -407,6 +411,7 @@ def main(argv=None) -> int:
         cmd = hosts.prefix(EDGE_NS) + [
             py, str(HERE / "network.py"), "--driver", "--driver-out", str(driver_out),
             "--verifier-for-rtt", json.dumps(verifiers), "--draft", f"{hosts.edge_ip}:{DRAFT_PORT}",
+            "--busy-pids", json.dumps({"draft": draft.pid, "verifier": verifier.pid}),
             "--ngram", f"{hosts.edge_ip}:{NGRAM_PORT}", "--rtts", ",".join(map(str, args.rtts)),
             "--prompts", args.prompts, "--code-prompt", args.code_prompt, "--max-new-tokens", str(args.max_new_tokens),
             "--configs", ",".join(args.config_list), "--provisional-max", str(args.provisional_max),

@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 import pathlib
 
+import procstat
+
 TRIGGERS = ("edgellm", "goodput")
 IDENTICAL = {True: "yes", False: "NO", None: "-"}  # None: not checked (rejection sampling)
 
@@ -44,7 +46,13 @@ def summarize(rtt: int, name: str, runs: list[dict]) -> dict:
         "identical": None if any(r["identical"] is None for r in runs) else all(r["identical"] for r in runs),
         "target_only_rounds": sum(r.get("target_only_rounds", 0) for r in runs),
         "decoded": sum(r.get("decoded", 0) for r in runs), "runs": runs,
+        "busy": procstat.busy(runs),  # {"draft": share of the wall time its process was on a CPU, "verifier": ...}
     }
+
+
+def busy_cell(busy: dict | None) -> str:
+    """'93% / 41%': how much of the runs' time the draft's and the verifier's processes were on a CPU ('-': not read)."""
+    return " / ".join(f"{busy[k]:.0%}" if k in (busy or {}) else "-" for k in ("draft", "verifier"))
 
 
 def best_fixed(rows: list[dict], suffix: str) -> dict | None:
@@ -62,15 +70,15 @@ def report(data: dict, out: pathlib.Path) -> str:
                   False: "; every prompt computed whole (cold caches)"}.get(at[0].get("warm_caches"), "")
         lines += [f"## RTT {rtt} ms ({at[0].get('network', data.get('network', ''))}{caches})", "",
                   "| config | provisional | tokens/s | first tokens ms | tokens/s after them | tau | verifications / 100 tok "
-                  "| wasted draft tokens | provisional kept | burst tokens | identical to HF |",
-                  "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
+                  "| wasted draft tokens | provisional kept | burst tokens | draft / verifier busy | identical to HF |",
+                  "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
         for r in at:
             base, prov, burst = parse_config(r["config"])
             label = base + (f" @b{burst}" if burst else "")
             first = f"{r['first_token_ms']:.0f} | {r['decode_tokens_per_s']:.2f}" if "first_token_ms" in r else "- | -"
             lines.append(f"| {label} | {PROVISIONAL.get(prov, prov)} | {r['tokens_per_s']:.2f} | {first} | "
                          f"{r['tau']:.2f} | {r['verifications_per_100']:.1f} | {r['wasted']} | {r['provisional_kept']} | "
-                         f"{r.get('decoded', 0)} | {IDENTICAL[r['identical']]} |")
+                         f"{r.get('decoded', 0)} | {busy_cell(r.get('busy'))} | {IDENTICAL[r['identical']]} |")
         lines.append("")
         for suffix in ("+0", "+seed", "+prov", ""):
             fixed = best_fixed(at, suffix)
