@@ -338,7 +338,9 @@ class DraftMixin:
             confidences=tuple(tree.confidence[n] for n in branch), committed=len(committed), round_ms=round_ms,
             draft_steps=steps, draft_ms=step_ms, plain=max_nodes == 0, copied=copied, pipelined_next=followed,
             verify_ms=getattr(timing, "call_ms", 0.0) or 0.0, provisional_steps=len(under), provisional_ms=sum(under)))
-        wasted = len(tree) - accepted + len(provisional) - min(len(kept), len(provisional))
+        # Provisional tokens along the committed path are drafted right: the first is this round's bonus token (before,
+        # it counted as waste, one token in every pipelined round), the rest are kept; off the path all are waste.
+        wasted = len(tree) - accepted + (0 if followed else len(provisional))
         return TreeRound(token_tree, draft_ms if len(tree) else None, verdict, timing, wasted, seeded)
 
     def _lookup_span(self, session: LiveSession, remaining: int) -> list[int]:

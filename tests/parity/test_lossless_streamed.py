@@ -110,6 +110,20 @@ def test_a_request_s_last_tokens_join_the_last_tree(target, provisional):
             assert committed[-1] >= 3 and all(s.num_draft_tokens for s in stats), (max_new_tokens, committed)
 
 
+def test_a_provisional_token_the_bonus_token_confirms_is_not_wasted(target):
+    """With the target as its draft (a chain, always right), provisional drafting's first token is the verifier's bonus
+    token: it was drafted right, not wasted (before, every pipelined round reported one wasted draft token)."""
+    same = tiny_loaded(seed=0, layers=2)
+    config = OrchestratorConfig(trigger="fixed", fixed_tree_nodes=4, provisional_max=8, share_estimates=False)
+    with start_stack(target, [ModelProposer(same, DraftConfig(grow_width=1))], orchestrator_config=config) as stack:
+        tokens, stats = run(stack, PROMPTS[0], 40)
+    assert tokens == hf_greedy(target.model, PROMPTS[0], 40)
+    assert sum(s.provisional_kept for s in stats) > 0  # pipelined rounds happened
+    assert all(s.num_accepted == s.tree_depth for s in stats)  # each round's whole branch: provisional drafting followed
+    # what a round wastes is its tree's other nodes (a side branch now and then), no provisional token
+    assert [s.wasted for s in stats] == [s.num_draft_tokens - s.num_accepted for s in stats]
+
+
 @pytest.mark.parametrize("provisional", [0, 8])
 def test_nothing_is_drafted_past_eos(provisional):
     """A branch ends at the target's EOS: the draft grows nothing after it, copies nothing after it and drafts nothing
