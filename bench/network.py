@@ -387,8 +387,9 @@ def main(argv=None) -> int:
     cold_verifier, cold_draft = ([], []) if args.warm_caches else (["--prefix-cache-tokens", "0"], ["--no-cache-reuse"])
     try:
         model_args = ["--target-model", args.target_model] if args.target_model else []
-        verifier = hosts.start(CLOUD_NS, "verifier", serve + ["verifier", "--listen", f"{hosts.cloud_ip}:{VERIFIER_PORT}",
-                               "--max-batch", "1", *model_args, *common, *cold_verifier], "serving on")
+        verifier = hosts.start(CLOUD_NS, "verifier", serve + [
+            "verifier", "--listen", f"{hosts.cloud_ip}:{VERIFIER_PORT}", "--max-batch", "1", *model_args, *common,
+            *cold_verifier], "serving on")
         verifiers = {}
         for i, rtt in enumerate(args.rtts):
             port = RELAY_PORT0 + i
@@ -402,9 +403,9 @@ def main(argv=None) -> int:
                    "eagle": ["--draft", "eagle", *model_args] + (["--draft-artifact", args.draft_artifact]
                                                                  if args.draft_artifact else [])}[args.drafter]
         width = ["--grow-width", str(args.grow_width)] if args.grow_width else []  # default: the service's
-        draft = hosts.start(EDGE_NS, "draft", serve + ["draft", "--listen", f"{hosts.edge_ip}:{DRAFT_PORT}", *drafter, *width,
-                                              "--branch-threshold", str(args.branch_threshold), *common, *cold_draft],
-                    "serving on")
+        draft = hosts.start(EDGE_NS, "draft", serve + [
+            "draft", "--listen", f"{hosts.edge_ip}:{DRAFT_PORT}", *drafter, *width,
+            "--branch-threshold", str(args.branch_threshold), *common, *cold_draft], "serving on")
         hosts.start(EDGE_NS, "ngram", serve + ["draft", "--listen", f"{hosts.edge_ip}:{NGRAM_PORT}", "--draft", "ngram",
                                               *common], "serving on")
         driver_out = logdir / "driver.json"
