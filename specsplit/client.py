@@ -238,7 +238,8 @@ class Client:
     def __init__(self, address: str | Sequence[str], timeout: float | None = 600.0, reconnect_s: float = 30.0,
                  tls: TLS | None = None, on_reconnect: Callable[[Reconnect], None] | None = None):
         """address: host:port of an orchestrator, or several that share a session store (a ``resume=True``
-        generation moves between them; any generation starts on the next one while one is down or full); timeout: default deadline of a whole generation (s);
+        generation moves between them; any generation starts on the next one while one is down or full);
+        timeout: default deadline of a whole generation (s);
         reconnect_s: how long a resumable generation keeps trying to reconnect after a failure;
         tls: ``specsplit.TLS(ca=...)`` for an orchestrator serving TLS (plus ``cert``/``key`` for mutual TLS);
         on_reconnect: called with a ``Reconnect`` before each reconnect of a resumable generation (to tell a user
