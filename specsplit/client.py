@@ -93,6 +93,9 @@ class GenerateStream:
 # A stream that broke with one of these may continue on another orchestrator: the server is gone
 # (UNAVAILABLE), or its connection broke mid-stream (UNKNOWN/INTERNAL: RST_STREAM, socket closed).
 RESUMABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+# A start that failed with one of these before anything came back may start on another orchestrator: those, or one
+# full (RESOURCE_EXHAUSTED: at its max_streams).
+START_MOVES = (*RESUMABLE_CODES, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 def never_reached(err: grpc.RpcError) -> bool:
@@ -295,22 +298,22 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, address: str, timeout: float | None = 600.0, tls: TLS | None = None):
-        """address: host:port of one orchestrator (failover between several, ``resume=True``, is the sync
+    def __init__(self, address: str | Sequence[str], timeout: float | None = 600.0, tls: TLS | None = None):
+        """address: host:port of an orchestrator, or several: a generation starts on the next one while one is down
+        or full (nothing has come back yet), each tried once; it does not resume (``resume=True`` is the sync
         ``Client``'s)."""
-        if not isinstance(address, str):
-            raise ValueError("AsyncClient talks to one orchestrator (host:port); for failover between several use "
-                             "Client(addresses) with generate(..., resume=True)")
-        self.address = check_target(address)
+        self.addresses = [check_target(a) for a in ([address] if isinstance(address, str) else list(address))]
+        if not self.addresses:
+            raise ValueError("no orchestrator address given")
+        self.address = self.addresses[0]
         self.timeout = timeout
         self._tls = (tls or TLS()).for_calls()
-        self._channel = None  # opened on first use, inside the event loop that uses it (not at construction)
+        self._channels: dict[int, grpc.aio.Channel] = {}  # opened on first use, inside the event loop that uses it
 
-    @property
-    def _stub(self) -> orchestrator_pb2_grpc.OrchestratorServiceStub:
-        if self._channel is None:
-            self._channel = open_aio_channel(self.address, self._tls)
-        return orchestrator_pb2_grpc.OrchestratorServiceStub(self._channel)
+    def _stub(self, index: int) -> orchestrator_pb2_grpc.OrchestratorServiceStub:
+        if index not in self._channels:
+            self._channels[index] = open_aio_channel(self.addresses[index], self._tls)
+        return orchestrator_pb2_grpc.OrchestratorServiceStub(self._channels[index])
 
     async def generate(self, prompt: str = "", *, messages: Sequence[dict] | None = None,
                        prompt_token_ids: Sequence[int] | None = None, max_new_tokens: int | None = None,
@@ -321,17 +324,24 @@ class AsyncClient:
         request = generate_request_to_pb(prompt, messages, prompt_token_ids, max_new_tokens, temperature, top_k,
                                          top_p, seed, stop, draft, chat_template, session_id,
                                          rejection_sampling=rejection_sampling)
-        call = self._stub.Generate(request, timeout=timeout or self.timeout)
-        try:
-            async for msg in call:
-                yield chunk_from_pb(msg)
-        finally:
-            call.cancel()
+        for index in range(len(self.addresses)):
+            call = self._stub(index).Generate(request, timeout=timeout or self.timeout)
+            heard = False  # a chunk came back: a failure from then on is the caller's
+            try:
+                async for msg in call:
+                    heard = True
+                    yield chunk_from_pb(msg)
+                return
+            except grpc.RpcError as err:
+                if heard or index + 1 == len(self.addresses) or err.code() not in START_MOVES:
+                    raise
+            finally:
+                call.cancel()
 
     async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = None
+        channels, self._channels = self._channels, {}
+        for channel in channels.values():
+            await channel.close()
 
     async def __aenter__(self) -> "AsyncClient":
         return self

@@ -1,5 +1,6 @@
 """Failover and resume in one process (real gRPC): replicas, detach/resume, offload, cancel, no leaks."""
 
+import asyncio
 import contextlib
 import threading
 import time
@@ -8,7 +9,7 @@ import grpc
 import pytest
 
 from draft_service.ngram import NgramProposer
-from specsplit.client import Client
+from specsplit.client import AsyncClient, Client
 from specsplit.config import DraftConfig, OrchestratorConfig, VerifierConfig
 from specsplit.launch import start_stack
 from specsplit.store import CANCELLED, DETACHED, FINISHED, InMemoryStore
@@ -250,6 +251,33 @@ def test_a_plain_generation_refused_for_want_of_room_starts_on_the_next_orchestr
         stream = client.generate(prompt_token_ids=PROMPT, max_new_tokens=8)
         assert tokens_of(stream) == hf_greedy(target.model, PROMPT, 8)
         assert stream.reconnects == 1
+
+
+def test_an_async_client_starts_on_the_next_address_and_never_moves_after_its_first_chunk(target):
+    """AsyncClient with several addresses: down, then full (at max_streams), then one that serves: the generation starts
+    on the third; every address refusing fails with the last one's status; a failure after the first chunk is raised."""
+    from redis_server import free_port
+
+    async def collect(addresses, max_new_tokens, stop_after=0, stack=None):
+        got = []
+        async with AsyncClient(addresses) as client:
+            async for chunk in client.generate(prompt_token_ids=PROMPT, max_new_tokens=max_new_tokens):
+                got.append(chunk)
+                if len(got) == stop_after:
+                    stack.orchestrator.stop(grace=0)  # the orchestrator in use goes away mid-stream
+        return got
+
+    down = f"127.0.0.1:{free_port()}"  # nothing listens there
+    with two_orchestrators(target, first_config=OrchestratorConfig(max_streams=0)) as (full, second, _):
+        got = asyncio.run(collect([down, full.address, second.address], 8))
+        assert tokens_of(got) == hf_greedy(target.model, PROMPT, 8)
+        with pytest.raises(grpc.RpcError) as err:
+            asyncio.run(collect([down, full.address], 8))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with two_orchestrators(target) as (stack, second, _):
+        with pytest.raises(grpc.RpcError):
+            asyncio.run(collect([stack.address, second.address], 200, stop_after=3, stack=stack))
+        assert second.core.generating() == 0
 
 
 def test_a_resumable_stream_cancelled_before_it_is_read_never_starts(target):
