@@ -93,9 +93,6 @@ class GenerateStream:
 # A stream that broke with one of these may continue on another orchestrator: the server is gone
 # (UNAVAILABLE), or its connection broke mid-stream (UNKNOWN/INTERNAL: RST_STREAM, socket closed).
 RESUMABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
-# A start that failed with one of these before anything came back may start on another orchestrator: those, or one
-# full (RESOURCE_EXHAUSTED: at its max_streams).
-START_MOVES = (*RESUMABLE_CODES, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 def never_reached(err: grpc.RpcError) -> bool:
@@ -105,18 +102,30 @@ def never_reached(err: grpc.RpcError) -> bool:
         what in details for what in ("Connection refused", "DNS resolution failed", "failed to connect to all"))
 
 
+def start_moves(err: grpc.RpcError, session_id: str) -> bool:
+    """Whether a plain (not resumable) generation whose call failed before any chunk came back may start on another
+    orchestrator: one that was never reached or was full took nothing; one broken after it was reached may have made
+    the session, so a caller-chosen ``session_id`` would then be refused elsewhere as taken (the first error is the
+    truer one)."""
+    code = err.code()
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED or never_reached(err):
+        return True
+    return code in RESUMABLE_CODES and not session_id
+
+
 class ResumableStream(GenerateStream):
     """A generation that survives its orchestrator: after a failure it reconnects to any of the client's
     orchestrators and resumes the session after the last token it received (none lost, none repeated).
 
     ``reconnects`` counts the resumes; ``session_id`` names the session (chosen by the client). Also the stream of a
-    plain generation given several addresses (``resumable=False``): that one only moves its start.
+    plain generation given several addresses (``resumable=False``): that one only moves its start (``reconnects``
+    counts the moves; ``session_id`` is the caller's, "" when the orchestrator names the session).
     """
 
     def __init__(self, client: "Client", request, timeout: float | None, resumable: bool = True):
         """resumable=False: a plain generation given several addresses: it moves to the next address only while
-        nothing has come back (an address down or full, or a call broken before the first chunk: nothing was
-        generated for it), once per address, and then fails at once; a failure after its first chunk is raised."""
+        nothing has come back (``start_moves``: an address down or full, or a call broken before the first chunk),
+        once per address, and then fails at once; a failure after its first chunk is raised."""
         super().__init__(None)
         self._client = client
         self._request = request
@@ -154,6 +163,9 @@ class ResumableStream(GenerateStream):
                 return
             with trace.use_span(span, end_on_exit=False):
                 self._call = self._client._stub(self._index).Generate(request, timeout=self._timeout)
+            if self._cancelled:  # cancel() ran while the call was being made: it may have missed this one
+                self._call.cancel()
+                return
             try:
                 for msg in self._call:
                     chunk = chunk_from_pb(msg)
@@ -185,14 +197,14 @@ class ResumableStream(GenerateStream):
                 # A start that no orchestrator took (full, or never reached) is the same start at the next address.
                 refused = full or (not started and not resuming and never_reached(err))
                 if not self._resumable:  # a plain generation: the same start elsewhere while none of it came back
-                    refused = not heard
+                    refused = not heard and start_moves(err, self._request.session_id)
                     if not refused:
                         raise
                 if refused and attempt + 1 >= len(self._client.addresses):
                     raise  # every address refused the start (none answers: a wrong address, a service that is down)
                 now = time.monotonic()
                 give_up_at = give_up_at or now + self._client.reconnect_s
-                if now > give_up_at:
+                if now > give_up_at and self._resumable:  # (a plain one tries each address once, however long)
                     raise
                 failed, attempt = self._index, attempt + 1
                 if not never_stored and not raced:  # (that orchestrator answered: the same one starts it again)
@@ -245,8 +257,8 @@ class Client:
         timeout: default deadline of a whole generation (s);
         reconnect_s: how long a resumable generation keeps trying to reconnect after a failure;
         tls: ``specsplit.TLS(ca=...)`` for an orchestrator serving TLS (plus ``cert``/``key`` for mutual TLS);
-        on_reconnect: called with a ``Reconnect`` before each reconnect of a resumable generation (to tell a user
-        why the stream stalls; it must not raise)."""
+        on_reconnect: called with a ``Reconnect`` before each reconnect of a resumable generation, and before a
+        plain one's start moves to the next address (to tell a user why the stream stalls; it must not raise)."""
         self.tls = (tls or TLS()).for_calls()
         self.addresses = [check_target(a) for a in ([address] if isinstance(address, str) else list(address))]
         if not self.addresses:
@@ -333,7 +345,7 @@ class AsyncClient:
                     yield chunk_from_pb(msg)
                 return
             except grpc.RpcError as err:
-                if heard or index + 1 == len(self.addresses) or err.code() not in START_MOVES:
+                if heard or index + 1 == len(self.addresses) or not start_moves(err, request.session_id):
                     raise
             finally:
                 call.cancel()

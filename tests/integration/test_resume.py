@@ -223,12 +223,14 @@ def test_a_plain_generation_starts_on_the_next_address_and_never_moves_after_its
     from redis_server import free_port
 
     with two_orchestrators(target) as (stack, second, _):
-        down = f"127.0.0.1:{free_port()}"  # nothing listens there
+        down, also_down = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"  # nothing listens there
         told = []
-        stream = Client([down, stack.address], on_reconnect=told.append).generate(prompt_token_ids=PROMPT,
-                                                                                  max_new_tokens=20)
+        # (reconnect_s bounds a resumable stream's reconnects; a plain one tries every address once whatever it is)
+        stream = Client([down, also_down, stack.address], reconnect_s=0, on_reconnect=told.append).generate(
+            prompt_token_ids=PROMPT, max_new_tokens=20)
         assert tokens_of(list(stream)) == hf_greedy(target.model, PROMPT, 20)
-        assert stream.reconnects == 1 and [(r.failed, r.next) for r in told] == [(down, stack.address)]
+        assert stream.reconnects == 2
+        assert [(r.failed, r.next) for r in told] == [(down, also_down), (also_down, stack.address)]
 
         started = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
@@ -244,6 +246,32 @@ def test_a_plain_generation_starts_on_the_next_address_and_never_moves_after_its
                 if len(got) == 3:
                     stack.orchestrator.stop(grace=0)  # the first orchestrator goes away mid-stream
         assert len(got) == 3 and stream.reconnects == 0 and second.core.generating() == 0
+
+
+def test_which_failed_starts_move_to_the_next_orchestrator():
+    """A plain generation's start moves when its orchestrator was never reached or was full; when one was reached and
+    broke before the first chunk, only if the orchestrator names the session: one the caller named may have been
+    taken there, and the next orchestrator would refuse it as taken."""
+    from specsplit.client import start_moves
+
+    class Failed(grpc.RpcError):
+        def __init__(self, code, details=""):
+            self._code, self._details = code, details
+
+        def code(self):
+            return self._code
+
+        def details(self):
+            return self._details
+
+    refused = Failed(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; last error: Connection refused")
+    broken = Failed(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+    for session_id in ("", "mine"):
+        assert start_moves(refused, session_id) and start_moves(Failed(grpc.StatusCode.RESOURCE_EXHAUSTED), session_id)
+        assert not start_moves(Failed(grpc.StatusCode.INVALID_ARGUMENT), session_id)
+        assert not start_moves(Failed(grpc.StatusCode.DEADLINE_EXCEEDED), session_id)
+    assert start_moves(broken, "") and start_moves(Failed(grpc.StatusCode.INTERNAL), "")
+    assert not start_moves(broken, "mine") and not start_moves(Failed(grpc.StatusCode.INTERNAL), "mine")
 
 
 def test_a_plain_generation_refused_for_want_of_room_starts_on_the_next_orchestrator(target):
