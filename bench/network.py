@@ -218,7 +218,7 @@ def drive(args) -> None:
     del target
 
     verifiers = json.loads(args.verifier_for_rtt)
-    busy_pids = json.loads(args.busy_pids)  # {"draft": pid, "verifier": pid}: whose CPU time each run records
+    busy_pids = json.loads(args.busy_pids)  # {"draft": pid, "ngram": pid, "verifier": pid}: whose CPU time runs record
     warm_ids = ids_of({"prompt": WARMUP_PROMPT})
     results = []
     for rtt in args.rtts:
@@ -252,13 +252,15 @@ def drive(args) -> None:
                 if args.warm_caches:  # untimed: the prompt's K/V cached on the verifier and the draft, by an
                     for _ in warmers[name].generate(replace(request, max_new_tokens=2)):  # orchestrator of its own
                         pass                                  # (the configuration's trigger learns nothing from it)
-                cpu_before = procstat.read(busy_pids)
+                pids = {"draft": busy_pids["ngram" if name == "ngram" else "draft"], "verifier": busy_pids["verifier"]}
+                cpu_before = procstat.read(pids)
                 start = time.perf_counter()
                 chunks, at = [], []  # at: ms since the start when each chunk arrived
                 for chunk in orchs[name].generate(request):
                     chunks.append(chunk)
                     at.append((time.perf_counter() - start) * 1e3)
                 elapsed = time.perf_counter() - start
+                cpu_ms = procstat.used(cpu_before, procstat.read(pids))  # each service process's CPU time
                 stats = [c.stats for c in chunks if c.stats is not None]
                 timeline = [[round(ms), c.stats.drafter, c.stats.num_draft_tokens, c.stats.num_accepted,
                              c.stats.num_committed, c.stats.provisional_kept, round(c.stats.draft_ms), round(c.stats.verify_ms)]
@@ -278,7 +280,7 @@ def drive(args) -> None:
                     # per round: [ms at its chunk, drafter, tree nodes, accepted, committed, provisional kept, draft ms,
                     # verifier ms]
                     "rounds_timeline": timeline,
-                    "cpu_ms": procstat.used(cpu_before, procstat.read(busy_pids)),  # each service process's CPU time
+                    "cpu_ms": cpu_ms,
                 })
         for name in args.config_list:
             orchs[name].close()
@@ -406,13 +408,13 @@ def main(argv=None) -> int:
         draft = hosts.start(EDGE_NS, "draft", serve + [
             "draft", "--listen", f"{hosts.edge_ip}:{DRAFT_PORT}", *drafter, *width,
             "--branch-threshold", str(args.branch_threshold), *common, *cold_draft], "serving on")
-        hosts.start(EDGE_NS, "ngram", serve + ["draft", "--listen", f"{hosts.edge_ip}:{NGRAM_PORT}", "--draft", "ngram",
-                                              *common], "serving on")
+        ngram = hosts.start(EDGE_NS, "ngram", serve + [
+            "draft", "--listen", f"{hosts.edge_ip}:{NGRAM_PORT}", "--draft", "ngram", *common], "serving on")
         driver_out = logdir / "driver.json"
         cmd = hosts.prefix(EDGE_NS) + [
             py, str(HERE / "network.py"), "--driver", "--driver-out", str(driver_out),
             "--verifier-for-rtt", json.dumps(verifiers), "--draft", f"{hosts.edge_ip}:{DRAFT_PORT}",
-            "--busy-pids", json.dumps({"draft": draft.pid, "verifier": verifier.pid}),
+            "--busy-pids", json.dumps({"draft": draft.pid, "ngram": ngram.pid, "verifier": verifier.pid}),
             "--ngram", f"{hosts.edge_ip}:{NGRAM_PORT}", "--rtts", ",".join(map(str, args.rtts)),
             "--prompts", args.prompts, "--code-prompt", args.code_prompt, "--max-new-tokens", str(args.max_new_tokens),
             "--configs", ",".join(args.config_list), "--provisional-max", str(args.provisional_max),

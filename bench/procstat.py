@@ -1,8 +1,10 @@
 """How busy each host's service process was while a configuration ran: CPU time from /proc.
 
-Draft and verifier each have their own core in bench/network.py, so a process's CPU time over a generation's wall
-time says which side bounds the pipeline: a draft near 100% busy is the bottleneck (a bigger or smaller tree then
-only moves which tokens it drafts, not how fast), a verifier near 100% the other way round.
+In bench/network.py the edge and the cloud each have one core (the draft shares the edge's with the orchestrator and
+the benchmark's driver, the verifier the cloud's with the delaying relays), so a service process's CPU time over a
+generation's wall time says which side bounds the pipeline: a draft near 100% busy is the bottleneck (a bigger or
+smaller tree then only changes how its tokens are cut into verifications, not how fast they come), a verifier near
+100% the other way round. (The share is the process's, a lower bound on its core's.)
 """
 
 from __future__ import annotations
@@ -32,12 +34,11 @@ def used(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
 
 
 def busy(runs: list[dict]) -> dict[str, float]:
-    """{name: share of the runs' wall time its process spent on a CPU} over runs with ``cpu_ms`` ({} without)."""
-    total: dict[str, float] = {}
-    wall_ms = 0.0
+    """{name: share of the wall time of the runs that timed its process, spent on a CPU} ({} without ``cpu_ms``)."""
+    cpu: dict[str, float] = {}
+    wall: dict[str, float] = {}
     for run in runs:
-        if run.get("cpu_ms"):
-            wall_ms += run["seconds"] * 1e3
-            for name, ms in run["cpu_ms"].items():
-                total[name] = total.get(name, 0.0) + ms
-    return {name: ms / wall_ms for name, ms in total.items()} if wall_ms > 0 else {}
+        for name, ms in (run.get("cpu_ms") or {}).items():
+            cpu[name] = cpu.get(name, 0.0) + ms
+            wall[name] = wall.get(name, 0.0) + run["seconds"] * 1e3
+    return {name: cpu[name] / wall[name] for name in cpu if wall[name] > 0}

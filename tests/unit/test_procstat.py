@@ -46,4 +46,7 @@ def test_busy_is_cpu_time_over_the_runs_wall_time():
             {"seconds": 5.0}]  # a run without CPU times (an older result) counts for neither
     assert procstat.busy(runs) == pytest.approx({"draft": 0.9, "verifier": 0.4})
     assert procstat.busy([{"seconds": 1.0}]) == {}
+    # each process over the runs that timed it (the n-gram row times its own draft service)
+    two = [{"seconds": 1.0, "cpu_ms": {"draft": 500.0, "verifier": 100.0}}, {"seconds": 3.0, "cpu_ms": {"verifier": 300.0}}]
+    assert procstat.busy(two) == pytest.approx({"draft": 0.5, "verifier": 0.1})
     assert procstat.used({"draft": 10.0, "verifier": 5.0}, {"draft": 30.0}) == {"draft": 20.0}
