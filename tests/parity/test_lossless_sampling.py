@@ -3,6 +3,7 @@ draws (the default: also token-identical to the target decoding alone with the s
 rejection sampling."""
 
 import math
+import time
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 from draft_service.ngram import NgramProposer
 from draft_service.proposers import ModelProposer
 from specsplit.client import Client
-from specsplit.config import DraftConfig
+from specsplit.config import DraftConfig, OrchestratorConfig
 from specsplit.launch import start_stack
 from specsplit.sampling import SamplingParams, distribution
 from tiny import tiny_loaded
@@ -116,18 +117,31 @@ def test_seeded_requests_are_reproducible(target, rejection):
         assert once(7) != once(8)
 
 
-def test_coupled_tokens_are_the_target_alone_s_whatever_the_draft(target):
+def test_coupled_tokens_are_the_target_alone_s_whatever_the_draft(target, monkeypatch):
     """Coupled draws: a seed gives the tokens the target decoding alone draws with it (draft none), with an unrelated
     draft, the target itself as the draft, or n-gram lookup; the model drafts stream growing trees and keep provisional
     tokens (the pipelined path greedy sessions take). The target as its own draft makes the target's own choices:
-    each round the verifier accepts the draft's first-choice chain to its end, so the draft's noise is the target's."""
+    each round the verifier accepts the draft's first-choice chain to its end, so the draft's noise is the target's.
+    (For that one, fixed-4 trees and verifier forwards held 20 ms: provisional tokens then always arrive during a
+    verification; with the default trigger and a verifier as fast as the draft, a run now and then kept none.)"""
     kwargs = dict(prompt_token_ids=PROMPT, max_new_tokens=40, temperature=1.2, top_p=0.9)
+    pipelined = OrchestratorConfig(trigger="fixed", fixed_tree_nodes=4, share_estimates=False)
     for seed in (1, 2, 3):
         with start_stack(target, []) as alone:
             reference = [t for c in Client(alone.address).generate(**kwargs, seed=seed, draft="none")
                          for t in c.token_ids]
         for drafter in PROPOSERS:
-            with start_stack(target, [PROPOSERS[drafter]()]) as stack:
+            same = drafter == "same"
+            with start_stack(target, [PROPOSERS[drafter]()], orchestrator_config=pipelined if same else None) as stack:
+                if same:
+                    engine = stack.verifier_engine
+                    forward = engine._forward
+
+                    def held(*args, forward=forward, **kw):
+                        time.sleep(0.02)
+                        return forward(*args, **kw)
+
+                    monkeypatch.setattr(engine, "_forward", held)
                 chunks = list(Client(stack.address).generate(**kwargs, seed=seed))
             rounds = [c.stats for c in chunks if c.stats]
             assert [t for c in chunks for t in c.token_ids] == reference, (seed, drafter)

@@ -6,6 +6,8 @@ accepted: provisional tokens are kept) and an unrelated one (mostly dropped). Ev
 afresh (share_estimates off), so each one drafts before goodput may settle on target-only rounds.
 """
 
+import time
+
 import pytest
 
 from draft_service.drafter import Drafter
@@ -110,12 +112,20 @@ def test_a_request_s_last_tokens_join_the_last_tree(target, provisional):
             assert committed[-1] >= 3 and all(s.num_draft_tokens for s in stats), (max_new_tokens, committed)
 
 
-def test_a_provisional_token_the_bonus_token_confirms_is_not_wasted(target):
+def test_a_provisional_token_the_bonus_token_confirms_is_not_wasted(target, monkeypatch):
     """With the target as its draft (a chain, always right), provisional drafting's first token is the verifier's bonus
-    token: it was drafted right, not wasted (before, every pipelined round reported one wasted draft token)."""
+    token: it was drafted right, not wasted (before, every pipelined round reported one wasted draft token). (Verifier
+    forwards held 20 ms: provisional tokens always arrive during a verification.)"""
     same = tiny_loaded(seed=0, layers=2)
     config = OrchestratorConfig(trigger="fixed", fixed_tree_nodes=4, provisional_max=8, share_estimates=False)
     with start_stack(target, [ModelProposer(same, DraftConfig(grow_width=1))], orchestrator_config=config) as stack:
+        forward = stack.verifier_engine._forward
+
+        def held(*args, **kwargs):
+            time.sleep(0.02)
+            return forward(*args, **kwargs)
+
+        monkeypatch.setattr(stack.verifier_engine, "_forward", held)
         tokens, stats = run(stack, PROMPTS[0], 40)
     assert tokens == hf_greedy(target.model, PROMPTS[0], 40)
     assert sum(s.provisional_kept for s in stats) > 0  # pipelined rounds happened
