@@ -141,6 +141,23 @@ def span_exporter():
     return exporter
 
 
+def before_each_forward(engine, monkeypatch, action) -> None:
+    """Run ``action()`` on a verifier engine's model thread as each packed forward starts (to hold it, or fail it)."""
+    forward = engine._forward
+
+    def wrapped(*args, **kwargs):
+        action()
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_forward", wrapped)
+
+
+def hold_each_forward(engine, monkeypatch, seconds: float = 0.02) -> None:
+    """Make each verifier forward take ``seconds`` longer, so provisional tokens always arrive during a verification
+    (a verifier as fast as the draft leaves a run now and then without any)."""
+    before_each_forward(engine, monkeypatch, lambda: time.sleep(seconds))
+
+
 def wait_for(predicate, timeout: float = 5.0) -> bool:
     """Poll ``predicate`` until it holds or ``timeout`` s pass; its last value (for work that finishes in the
     background: a Release call, a sweep)."""

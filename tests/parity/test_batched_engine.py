@@ -18,7 +18,7 @@ from specsplit.config import VerifierConfig
 from specsplit.errors import InvalidArgument, ResourceExhausted
 from specsplit.sampling import SamplingParams
 from specsplit.tree import TokenTree
-from tiny import VOCAB, hf_greedy, tiny_loaded
+from tiny import VOCAB, before_each_forward, hf_greedy, tiny_loaded
 from verifier_service.engine import TargetEngine
 from verifier_service.lean import LeanPackedLlama
 
@@ -148,17 +148,6 @@ def test_session_cap_answers_resource_exhausted_at_once(target):
         assert engine.prefill("c", [5, 9])[0] == 2  # a released slot is reused at once
     finally:
         engine.close()
-
-
-def before_each_forward(engine, monkeypatch, action) -> None:
-    """Run ``action()`` on the model thread as each packed forward starts (the lean one or the model's own)."""
-    forward = engine._forward
-
-    def wrapped(*args, **kwargs):
-        action()
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(engine, "_forward", wrapped)
 
 
 def test_prefill_backlog_cap_answers_resource_exhausted_at_once(target, monkeypatch):

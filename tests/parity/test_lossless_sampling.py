@@ -3,7 +3,6 @@ draws (the default: also token-identical to the target decoding alone with the s
 rejection sampling."""
 
 import math
-import time
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from specsplit.client import Client
 from specsplit.config import DraftConfig, OrchestratorConfig
 from specsplit.launch import start_stack
 from specsplit.sampling import SamplingParams, distribution
-from tiny import tiny_loaded
+from tiny import hold_each_forward, tiny_loaded
 
 PROMPT = [258, 1, 2, 3, 4, 5, 1, 2, 3]
 PARAMS = SamplingParams(temperature=6.0, top_k=24, top_p=0.95)
@@ -134,14 +133,7 @@ def test_coupled_tokens_are_the_target_alone_s_whatever_the_draft(target, monkey
             same = drafter == "same"
             with start_stack(target, [PROPOSERS[drafter]()], orchestrator_config=pipelined if same else None) as stack:
                 if same:
-                    engine = stack.verifier_engine
-                    forward = engine._forward
-
-                    def held(*args, forward=forward, **kw):
-                        time.sleep(0.02)
-                        return forward(*args, **kw)
-
-                    monkeypatch.setattr(engine, "_forward", held)
+                    hold_each_forward(stack.verifier_engine, monkeypatch)
                 chunks = list(Client(stack.address).generate(**kwargs, seed=seed))
             rounds = [c.stats for c in chunks if c.stats]
             assert [t for c in chunks for t in c.token_ids] == reference, (seed, drafter)

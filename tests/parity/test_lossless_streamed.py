@@ -6,7 +6,6 @@ accepted: provisional tokens are kept) and an unrelated one (mostly dropped). Ev
 afresh (share_estimates off), so each one drafts before goodput may settle on target-only rounds.
 """
 
-import time
 
 import pytest
 
@@ -16,7 +15,7 @@ from specsplit.client import Client
 from specsplit.config import DraftConfig, OrchestratorConfig, VerifierConfig
 from specsplit.launch import start_stack
 from specsplit.sampling import SamplingParams
-from tiny import delay_relay, hf_greedy, span_exporter, tiny_loaded
+from tiny import delay_relay, hf_greedy, hold_each_forward, span_exporter, tiny_loaded
 
 PROMPTS = [
     [258, 72, 101, 108, 108, 111],
@@ -119,13 +118,7 @@ def test_a_provisional_token_the_bonus_token_confirms_is_not_wasted(target, monk
     same = tiny_loaded(seed=0, layers=2)
     config = OrchestratorConfig(trigger="fixed", fixed_tree_nodes=4, provisional_max=8, share_estimates=False)
     with start_stack(target, [ModelProposer(same, DraftConfig(grow_width=1))], orchestrator_config=config) as stack:
-        forward = stack.verifier_engine._forward
-
-        def held(*args, **kwargs):
-            time.sleep(0.02)
-            return forward(*args, **kwargs)
-
-        monkeypatch.setattr(stack.verifier_engine, "_forward", held)
+        hold_each_forward(stack.verifier_engine, monkeypatch)
         tokens, stats = run(stack, PROMPTS[0], 40)
     assert tokens == hf_greedy(target.model, PROMPTS[0], 40)
     assert sum(s.provisional_kept for s in stats) > 0  # pipelined rounds happened
