@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -113,6 +114,81 @@ def start_moves(err: grpc.RpcError, session_id: str) -> bool:
     return code in RESUMABLE_CODES and not session_id
 
 
+class Failover:
+    """Where a generation's next call goes and what it asks for, after each chunk and each failure: the decisions a
+    resumable stream (and a plain one given several addresses) makes, shared by ``Client`` and ``AsyncClient``. No I/O:
+    the caller makes the calls and waits the pauses.
+
+    resumable=False: a plain generation given several addresses: it moves to the next address only while nothing has
+    come back (``start_moves``: an address down or full, or a call broken before the first chunk), once per address,
+    and then fails at once; a failure after its first chunk is raised."""
+
+    def __init__(self, request, addresses: Sequence[str], reconnect_s: float,
+                 on_reconnect: Callable[[Reconnect], None] | None, resumable: bool):
+        self.first = request  # the generation's own request
+        self.request = request  # the next call's: the start, or a resume after the tokens received
+        self.addresses = addresses
+        self.reconnect_s = reconnect_s
+        self.on_reconnect = on_reconnect
+        self.resumable = resumable
+        self.index = 0  # the orchestrator the next call goes to
+        self.received = 0  # tokens passed on
+        self.started = False  # the header (prompt tokens) was passed on
+        self.heard = False  # any chunk came back
+        self.give_up_at: float | None = None
+        self.delay, self.attempt = 0.05, 0  # since the last progress
+        self.reconnects = 0
+
+    def take(self, chunk: Chunk) -> bool:
+        """A chunk came back: whether to pass it on (a resumed call repeats the header the caller has)."""
+        self.heard = True
+        self.give_up_at, self.delay, self.attempt = None, 0.05, 0  # progress: a later failure gets a fresh window
+        if chunk.prompt_token_ids is not None and not chunk.token_ids and not chunk.finish_reason:
+            if self.started:
+                return False
+            self.started = True
+        self.received += len(chunk.token_ids)
+        return True
+
+    def after(self, err: grpc.RpcError) -> float:
+        """A call failed: raise ``err`` if nothing mends it; else point the next call at its address and request, tell
+        ``on_reconnect``, and return the pause (s) before that call."""
+        code = err.code()
+        resuming = self.request is not self.first
+        never_stored = code == grpc.StatusCode.NOT_FOUND and not self.started and resuming
+        # A resume that lost the race to claim the session (its old orchestrator still committed a round, or another
+        # resume claimed it first) is told to resume again from the session's current state.
+        raced = code == grpc.StatusCode.FAILED_PRECONDITION and resuming
+        # A start refused for want of room goes to the next address (the others may have it).
+        full = code == grpc.StatusCode.RESOURCE_EXHAUSTED and not self.started and not resuming
+        if code not in RESUMABLE_CODES and not never_stored and not raced and not full:
+            raise err
+        # A start that no orchestrator took (full, or never reached) is the same start at the next address.
+        refused = full or (not self.started and not resuming and never_reached(err))
+        if not self.resumable:  # a plain generation: the same start elsewhere while none of it came back
+            refused = not self.heard and start_moves(err, self.first.session_id)
+            if not refused:
+                raise err
+        if refused and self.attempt + 1 >= len(self.addresses):
+            raise err  # every address refused the start (none answers: a wrong address, a service that is down)
+        now = time.monotonic()
+        self.give_up_at = self.give_up_at or now + self.reconnect_s
+        if now > self.give_up_at and self.resumable:  # (a plain one tries each address once, however long)
+            raise err
+        failed, self.attempt = self.index, self.attempt + 1
+        if not never_stored and not raced:  # (that orchestrator answered: the same one starts it again)
+            self.index = (self.index + 1) % len(self.addresses)
+        if self.on_reconnect is not None:
+            self.on_reconnect(Reconnect(self.addresses[failed], code, err.details() or "", self.addresses[self.index],
+                                        self.give_up_at - now, self.attempt))
+        pause, self.delay = self.delay, min(2 * self.delay, 1.0)
+        self.reconnects += 1
+        # Resume where we are; a session no orchestrator ever stored is started again, same id.
+        self.request = self.first if never_stored or refused else orchestrator_pb2.GenerateRequest(
+            resume_session_id=self.first.session_id, resume_from_token=self.received)
+        return pause
+
+
 class ResumableStream(GenerateStream):
     """A generation that survives its orchestrator: after a failure it reconnects to any of the client's
     orchestrators and resumes the session after the last token it received (none lost, none repeated).
@@ -123,18 +199,17 @@ class ResumableStream(GenerateStream):
     """
 
     def __init__(self, client: "Client", request, timeout: float | None, resumable: bool = True):
-        """resumable=False: a plain generation given several addresses: it moves to the next address only while
-        nothing has come back (``start_moves``: an address down or full, or a call broken before the first chunk),
-        once per address, and then fails at once; a failure after its first chunk is raised."""
         super().__init__(None)
         self._client = client
-        self._request = request
+        self._failover = Failover(request, client.addresses, client.reconnect_s, client.on_reconnect, resumable)
         self._timeout = timeout
         self._resumable = resumable
         self._cancelled = False
-        self._index = 0  # the orchestrator in use
         self.session_id = request.session_id
-        self.reconnects = 0
+
+    @property
+    def reconnects(self) -> int:
+        return self._failover.reconnects
 
     def __iter__(self) -> Iterator[Chunk]:
         # One span over every call of the generation: a resumed one stays one trace across orchestrators.
@@ -155,70 +230,28 @@ class ResumableStream(GenerateStream):
             span.end()
 
     def _calls(self, span) -> Iterator[Chunk]:
-        request, received, started, heard = self._request, 0, False, False  # heard: any chunk came back
-        give_up_at = None
-        delay, attempt = 0.05, 0
+        failover = self._failover
         while True:
             if self._cancelled:  # cancelled before the first call, or while reconnecting: nothing more comes
                 return
             with trace.use_span(span, end_on_exit=False):
-                self._call = self._client._stub(self._index).Generate(request, timeout=self._timeout)
+                self._call = self._client._stub(failover.index).Generate(failover.request, timeout=self._timeout)
             if self._cancelled:  # cancel() ran while the call was being made: it may have missed this one
                 self._call.cancel()
                 return
             try:
                 for msg in self._call:
                     chunk = chunk_from_pb(msg)
-                    heard = True
-                    give_up_at, delay, attempt = None, 0.05, 0  # progress: a later failure gets a fresh window
-                    if chunk.prompt_token_ids is not None and not chunk.token_ids and not chunk.finish_reason:
-                        if started:
-                            continue  # a resumed stream repeats the header; the caller has it
-                        started = True
-                    received += len(chunk.token_ids)
-                    self._finished = bool(chunk.finish_reason)
-                    yield chunk
+                    if failover.take(chunk):
+                        self._finished = bool(chunk.finish_reason)
+                        yield chunk
                     if chunk.finish_reason:
                         return
                 return
             except grpc.RpcError as err:
-                code = err.code()
-                resuming = request is not self._request
-                never_stored = code == grpc.StatusCode.NOT_FOUND and not started and resuming
-                # A resume that lost the race to claim the session (its old orchestrator still committed a round,
-                # or another resume claimed it first) is told to resume again from the session's current state.
-                raced = code == grpc.StatusCode.FAILED_PRECONDITION and resuming
                 if self._cancelled:
                     return  # cancel(): the stream ends here
-                # A start refused for want of room goes to the next address (the others may have it).
-                full = code == grpc.StatusCode.RESOURCE_EXHAUSTED and not started and not resuming
-                if code not in RESUMABLE_CODES and not never_stored and not raced and not full:
-                    raise
-                # A start that no orchestrator took (full, or never reached) is the same start at the next address.
-                refused = full or (not started and not resuming and never_reached(err))
-                if not self._resumable:  # a plain generation: the same start elsewhere while none of it came back
-                    refused = not heard and start_moves(err, self._request.session_id)
-                    if not refused:
-                        raise
-                if refused and attempt + 1 >= len(self._client.addresses):
-                    raise  # every address refused the start (none answers: a wrong address, a service that is down)
-                now = time.monotonic()
-                give_up_at = give_up_at or now + self._client.reconnect_s
-                if now > give_up_at and self._resumable:  # (a plain one tries each address once, however long)
-                    raise
-                failed, attempt = self._index, attempt + 1
-                if not never_stored and not raced:  # (that orchestrator answered: the same one starts it again)
-                    self._index = (self._index + 1) % len(self._client.addresses)
-                if self._client.on_reconnect is not None:
-                    self._client.on_reconnect(Reconnect(self._client.addresses[failed], code, err.details() or "",
-                                                        self._client.addresses[self._index], give_up_at - now,
-                                                        attempt))
-                time.sleep(delay)
-                delay = min(2 * delay, 1.0)
-                self.reconnects += 1
-                # Resume where we are; a session no orchestrator ever stored is started again, same id.
-                request = self._request if never_stored or refused else orchestrator_pb2.GenerateRequest(
-                    resume_session_id=self.session_id, resume_from_token=received)
+                time.sleep(failover.after(err))
 
     def cancel(self, timeout: float = 5.0) -> None:
         """Cancel the session itself (a resumable session outlives a dropped stream), then the stream. The Cancel goes
@@ -228,7 +261,7 @@ class ResumableStream(GenerateStream):
         n = len(self._client.addresses) if self._resumable else 0
         for k in range(n):
             try:
-                self._client.cancel(self.session_id, index=(self._index + k) % n, timeout=timeout)
+                self._client.cancel(self.session_id, index=(self._failover.index + k) % n, timeout=timeout)
                 break
             except grpc.RpcError:
                 pass  # that orchestrator is gone (or its store is): try the next; else the session expires on its own
@@ -310,15 +343,17 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, address: str | Sequence[str], timeout: float | None = 600.0, tls: TLS | None = None):
-        """address: host:port of an orchestrator, or several: a generation starts on the next one while one is down
-        or full (nothing has come back yet), each tried once; it does not resume (``resume=True`` is the sync
-        ``Client``'s)."""
+    def __init__(self, address: str | Sequence[str], timeout: float | None = 600.0, reconnect_s: float = 30.0,
+                 tls: TLS | None = None, on_reconnect: Callable[[Reconnect], None] | None = None):
+        """The ``Client``'s arguments, for asyncio: a ``resume=True`` generation moves between the addresses and
+        resumes; any generation starts on the next address while one is down or full."""
         self.addresses = [check_target(a) for a in ([address] if isinstance(address, str) else list(address))]
         if not self.addresses:
             raise ValueError("no orchestrator address given")
         self.address = self.addresses[0]
         self.timeout = timeout
+        self.reconnect_s = reconnect_s
+        self.on_reconnect = on_reconnect
         self._tls = (tls or TLS()).for_calls()
         self._channels: dict[int, grpc.aio.Channel] = {}  # opened on first use, inside the event loop that uses it
 
@@ -331,24 +366,49 @@ class AsyncClient:
                        prompt_token_ids: Sequence[int] | None = None, max_new_tokens: int | None = None,
                        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                        stop: Sequence[str] = (), draft: str = "auto", chat_template: bool = True,
-                       session_id: str = "", timeout: float | None = None, rejection_sampling: bool = False
-                       ) -> AsyncIterator[Chunk]:
+                       session_id: str = "", timeout: float | None = None, resume: bool = False,
+                       rejection_sampling: bool = False) -> AsyncIterator[Chunk]:
+        """The ``Client.generate`` arguments. resume=True: the session outlives its orchestrator (name it with
+        ``session_id`` to cancel it from elsewhere; otherwise the client names it); a generation this loop leaves before
+        its last chunk (``break``, an exception, ``aclose()``) or gives up on is cancelled."""
+        if resume:
+            session_id = session_id or uuid.uuid4().hex
         request = generate_request_to_pb(prompt, messages, prompt_token_ids, max_new_tokens, temperature, top_k,
-                                         top_p, seed, stop, draft, chat_template, session_id,
+                                         top_p, seed, stop, draft, chat_template, session_id, resumable=resume,
                                          rejection_sampling=rejection_sampling)
-        for index in range(len(self.addresses)):
-            call = self._stub(index).Generate(request, timeout=timeout or self.timeout)
-            heard = False  # a chunk came back: a failure from then on is the caller's
-            try:
-                async for msg in call:
-                    heard = True
-                    yield chunk_from_pb(msg)
-                return
-            except grpc.RpcError as err:
-                if heard or index + 1 == len(self.addresses) or not start_moves(err, request.session_id):
-                    raise
-            finally:
-                call.cancel()
+        failover = Failover(request, self.addresses, self.reconnect_s, self.on_reconnect, resumable=resume)
+        span = tracer.start_span("specsplit.client.generate", attributes={"gen_ai.conversation.id": session_id})
+        finished = False
+        try:
+            while True:
+                with trace.use_span(span, end_on_exit=False):
+                    call = self._stub(failover.index).Generate(failover.request, timeout=timeout or self.timeout)
+                try:
+                    async for msg in call:
+                        chunk = chunk_from_pb(msg)
+                        if failover.take(chunk):
+                            finished = bool(chunk.finish_reason)
+                            yield chunk
+                        if chunk.finish_reason:
+                            return
+                    return
+                except grpc.RpcError as err:
+                    await asyncio.sleep(failover.after(err))
+                finally:
+                    call.cancel()
+        except Exception as err:
+            span.record_exception(err)
+            span.set_status(trace.Status(trace.StatusCode.ERROR, str(err)))
+            raise
+        finally:
+            if resume and not finished:  # (a resumable session outlives its call: the Client's stream does the same)
+                for k in range(len(self.addresses)):
+                    with contextlib.suppress(Exception):  # best effort, and never in place of the error being raised
+                        cancel = orchestrator_pb2.CancelRequest(session_id=session_id)
+                        await self._stub((failover.index + k) % len(self.addresses)).Cancel(cancel, timeout=1.0)
+                        break
+            span.set_attribute("specsplit.reconnects", failover.reconnects)
+            span.end()
 
     async def close(self) -> None:
         channels, self._channels = self._channels, {}

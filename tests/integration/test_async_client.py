@@ -1,0 +1,68 @@
+"""The AsyncClient's resumable generations (real gRPC, two orchestrators sharing one session store): a resume after
+the orchestrator in use goes away, and the session a loop leaves early is cancelled, as with the sync Client."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from specsplit.client import AsyncClient
+from specsplit.store import CANCELLED
+from test_resume import PROMPT, tokens_of, two_orchestrators
+from tiny import hf_greedy, span_exporter, wait_for
+
+
+def test_an_async_resumable_generation_resumes_on_the_other_orchestrator(target):
+    """The first orchestrator stops mid-stream; the async generation resumes on the second after the last token it
+    received: HF greedy's tokens, one header, the reconnect told and counted on the client's span (before, the
+    AsyncClient had no resume: the generation failed)."""
+    exporter = span_exporter()
+    told = []
+
+    async def collect(stack, second):
+        got = []
+        async with AsyncClient([stack.address, second.address], reconnect_s=10, on_reconnect=told.append) as client:
+            async for chunk in client.generate(prompt_token_ids=PROMPT, max_new_tokens=200, resume=True,
+                                               session_id="async-moved"):
+                got.append(chunk)
+                if len(got) == 3:
+                    stack.orchestrator.stop(grace=0)  # the orchestrator in use goes away mid-stream
+        return got
+
+    with two_orchestrators(target) as (stack, second, _):
+        got = asyncio.run(collect(stack, second))
+        assert tokens_of(got) == hf_greedy(target.model, PROMPT, 200) and got[-1].finish_reason == "length"
+        assert sum(1 for c in got if c.prompt_token_ids) == 1  # one header, however many reconnects
+        assert told and told[0].failed == stack.address and told[0].next == second.address
+        assert second.core.store.load("async-moved").status != CANCELLED  # finished: nothing to cancel
+    (top,) = [s for s in exporter.get_finished_spans() if s.name == "specsplit.client.generate"]
+    exporter.shutdown()
+    assert top.attributes["gen_ai.conversation.id"] == "async-moved"
+    assert top.attributes["specsplit.reconnects"] == len(told) >= 1
+
+
+def test_an_async_resumable_generation_left_early_is_cancelled(target):
+    """A resumable session outlives its call (for a resume): a loop that leaves it early cancels it, through the next
+    orchestrator when the one in use is gone; a plain start that nothing takes still fails at once."""
+
+    async def read(addresses, n, stack=None):
+        async with AsyncClient(addresses, reconnect_s=10) as client:
+            got = []
+            stream = client.generate(prompt_token_ids=PROMPT, max_new_tokens=200, resume=True, session_id="left")
+            async for chunk in stream:
+                got.append(chunk)
+                if len(got) == n:
+                    if stack is not None:
+                        stack.orchestrator.stop(grace=0)  # the one in use is gone: the Cancel goes to the other
+                    break
+            await stream.aclose()
+            return got
+
+    with two_orchestrators(target) as (stack, second, _):
+        got = asyncio.run(read([stack.address, second.address], 2, stack=stack))
+        assert len(got) == 2
+        assert wait_for(lambda: second.core.store.load("left").status == CANCELLED)
+        assert wait_for(lambda: stack.verifier_sessions() == 0)
+    with pytest.raises(grpc.RpcError) as err:
+        asyncio.run(read(["127.0.0.1:1", "127.0.0.1:2"], 1))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
