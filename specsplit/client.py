@@ -19,12 +19,12 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass
 
 import grpc
 from opentelemetry import trace
 
 from specsplit.errors import InvalidArgument
+from specsplit.failover import Failover, Reconnect
 from specsplit.rpc import chunk_from_pb, generate_request_to_pb
 from specsplit.serving import check_address, open_aio_channel, open_channel
 from specsplit.stream import Chunk, RoundStats  # noqa: F401  (re-exported for SDK users)
@@ -33,17 +33,6 @@ from specsplit.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 GenerateChunk = Chunk
 tracer = trace.get_tracer(__name__)
-
-
-@dataclass(frozen=True)
-class Reconnect:
-    """Why a resumable generation reconnects, and where to: given to ``Client(on_reconnect=...)``."""
-    failed: str  # the orchestrator whose call failed (host:port)
-    code: grpc.StatusCode
-    details: str
-    next: str  # the orchestrator tried next
-    seconds_left: float  # until the generation gives up (``reconnect_s`` after the first failure without progress)
-    attempt: int  # 1 for the first reconnect since the stream last made progress
 
 
 class GenerateStream:
@@ -91,104 +80,6 @@ class GenerateStream:
         self.close()
 
 
-# A stream that broke with one of these may continue on another orchestrator: the server is gone
-# (UNAVAILABLE), or its connection broke mid-stream (UNKNOWN/INTERNAL: RST_STREAM, socket closed).
-RESUMABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
-
-
-def never_reached(err: grpc.RpcError) -> bool:
-    """The call failed before reaching any server: refused, or a name that does not resolve."""
-    details = err.details() or ""
-    return err.code() == grpc.StatusCode.UNAVAILABLE and any(
-        what in details for what in ("Connection refused", "DNS resolution failed", "failed to connect to all"))
-
-
-def start_moves(err: grpc.RpcError, session_id: str) -> bool:
-    """Whether a plain (not resumable) generation whose call failed before any chunk came back may start on another
-    orchestrator: one that was never reached or was full took nothing; one broken after it was reached may have made
-    the session, so a caller-chosen ``session_id`` would then be refused elsewhere as taken (the first error is the
-    truer one)."""
-    code = err.code()
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED or never_reached(err):
-        return True
-    return code in RESUMABLE_CODES and not session_id
-
-
-class Failover:
-    """Where a generation's next call goes and what it asks for, after each chunk and each failure: the decisions a
-    resumable stream (and a plain one given several addresses) makes, shared by ``Client`` and ``AsyncClient``. No I/O:
-    the caller makes the calls and waits the pauses.
-
-    resumable=False: a plain generation given several addresses: it moves to the next address only while nothing has
-    come back (``start_moves``: an address down or full, or a call broken before the first chunk), once per address,
-    and then fails at once; a failure after its first chunk is raised."""
-
-    def __init__(self, request, addresses: Sequence[str], reconnect_s: float,
-                 on_reconnect: Callable[[Reconnect], None] | None, resumable: bool):
-        self.first = request  # the generation's own request
-        self.request = request  # the next call's: the start, or a resume after the tokens received
-        self.addresses = addresses
-        self.reconnect_s = reconnect_s
-        self.on_reconnect = on_reconnect
-        self.resumable = resumable
-        self.index = 0  # the orchestrator the next call goes to
-        self.received = 0  # tokens passed on
-        self.started = False  # the header (prompt tokens) was passed on
-        self.heard = False  # any chunk came back
-        self.give_up_at: float | None = None
-        self.delay, self.attempt = 0.05, 0  # since the last progress
-        self.reconnects = 0
-
-    def take(self, chunk: Chunk) -> bool:
-        """A chunk came back: whether to pass it on (a resumed call repeats the header the caller has)."""
-        self.heard = True
-        self.give_up_at, self.delay, self.attempt = None, 0.05, 0  # progress: a later failure gets a fresh window
-        if chunk.prompt_token_ids is not None and not chunk.token_ids and not chunk.finish_reason:
-            if self.started:
-                return False
-            self.started = True
-        self.received += len(chunk.token_ids)
-        return True
-
-    def after(self, err: grpc.RpcError) -> float:
-        """A call failed: raise ``err`` if nothing mends it; else point the next call at its address and request, tell
-        ``on_reconnect``, and return the pause (s) before that call."""
-        code = err.code()
-        resuming = self.request is not self.first
-        never_stored = code == grpc.StatusCode.NOT_FOUND and not self.started and resuming
-        # A resume that lost the race to claim the session (its old orchestrator still committed a round, or another
-        # resume claimed it first) is told to resume again from the session's current state.
-        raced = code == grpc.StatusCode.FAILED_PRECONDITION and resuming
-        # A start refused for want of room goes to the next address (the others may have it).
-        full = code == grpc.StatusCode.RESOURCE_EXHAUSTED and not self.started and not resuming
-        if code not in RESUMABLE_CODES and not never_stored and not raced and not full:
-            raise err
-        # A start that no orchestrator took (full, or never reached) is the same start at the next address.
-        refused = full or (not self.started and not resuming and never_reached(err))
-        if not self.resumable:  # a plain generation: the same start elsewhere while none of it came back
-            refused = not self.heard and start_moves(err, self.first.session_id)
-            if not refused:
-                raise err
-        if refused and self.attempt + 1 >= len(self.addresses):
-            raise err  # every address refused the start (none answers: a wrong address, a service that is down)
-        now = time.monotonic()
-        self.give_up_at = self.give_up_at or now + self.reconnect_s
-        if now > self.give_up_at and self.resumable:  # (a plain one tries each address once, however long)
-            raise err
-        failed, self.attempt = self.index, self.attempt + 1
-        if not never_stored and not raced:  # (that orchestrator answered: the same one starts it again)
-            self.index = (self.index + 1) % len(self.addresses)
-        if self.on_reconnect is not None:
-            self.on_reconnect(Reconnect(self.addresses[failed], code, err.details() or "", self.addresses[self.index],
-                                        self.give_up_at - now, self.attempt))
-        pause, self.delay = self.delay, min(2 * self.delay, 1.0)
-        self.reconnects += 1
-        # Resume where we are; a session no orchestrator ever stored is started again, same id.
-        self.request = self.first if never_stored or refused else orchestrator_pb2.GenerateRequest(
-            resume_session_id=self.first.session_id, resume_from_token=self.received)
-        return pause
-
-
 class ResumableStream(GenerateStream):
     """A generation that survives its orchestrator: after a failure it reconnects to any of the client's
     orchestrators and resumes the session after the last token it received (none lost, none repeated).
@@ -214,16 +105,18 @@ class ResumableStream(GenerateStream):
     def __iter__(self) -> Iterator[Chunk]:
         # One span over every call of the generation: a resumed one stays one trace across orchestrators.
         span = tracer.start_span("specsplit.client.generate", attributes={"gen_ai.conversation.id": self.session_id})
+        failed = False
         try:
             yield from self._calls(span)
         except Exception as err:
+            failed = True
             span.record_exception(err)
             span.set_status(trace.Status(trace.StatusCode.ERROR, str(err)))
             raise
         finally:
             # A resumable session outlives its stream (for a resume); one this client stopped reading or gave up on
             # (its deadline, an error no reconnect mends) would only hold its caches until it expires.
-            if not self._finished and not self._cancelled:
+            if not self._finished and not self._cancelled and (not failed or self._failover.maybe_made):
                 with contextlib.suppress(Exception):  # best effort, and never in place of the error being raised
                     self.cancel(timeout=1.0)
             span.set_attribute("specsplit.reconnects", self.reconnects)
@@ -343,10 +236,12 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, address: str | Sequence[str], timeout: float | None = 600.0, reconnect_s: float = 30.0,
-                 tls: TLS | None = None, on_reconnect: Callable[[Reconnect], None] | None = None):
+    def __init__(self, address: str | Sequence[str], timeout: float | None = 600.0, tls: TLS | None = None, *,
+                 reconnect_s: float = 30.0, on_reconnect: Callable[[Reconnect], None] | None = None):
         """The ``Client``'s arguments, for asyncio: a ``resume=True`` generation moves between the addresses and
-        resumes; any generation starts on the next address while one is down or full."""
+        resumes; any generation starts on the next address while one is down or full. ``close()`` (or leaving
+        ``async with``) cancels the resumable sessions of generations still open (left by ``break`` and not yet
+        closed by the event loop, or still being read)."""
         self.addresses = [check_target(a) for a in ([address] if isinstance(address, str) else list(address))]
         if not self.addresses:
             raise ValueError("no orchestrator address given")
@@ -356,6 +251,7 @@ class AsyncClient:
         self.on_reconnect = on_reconnect
         self._tls = (tls or TLS()).for_calls()
         self._channels: dict[int, grpc.aio.Channel] = {}  # opened on first use, inside the event loop that uses it
+        self._open: dict[str, Failover] = {}  # resumable generations not yet ended: session id -> their failover
 
     def _stub(self, index: int) -> orchestrator_pb2_grpc.OrchestratorServiceStub:
         if index not in self._channels:
@@ -378,7 +274,9 @@ class AsyncClient:
                                          rejection_sampling=rejection_sampling)
         failover = Failover(request, self.addresses, self.reconnect_s, self.on_reconnect, resumable=resume)
         span = tracer.start_span("specsplit.client.generate", attributes={"gen_ai.conversation.id": session_id})
-        finished = False
+        finished = failed = False
+        if resume:
+            self._open[session_id] = failover
         try:
             while True:
                 with trace.use_span(span, end_on_exit=False):
@@ -397,20 +295,32 @@ class AsyncClient:
                 finally:
                     call.cancel()
         except Exception as err:
+            failed = True
             span.record_exception(err)
             span.set_status(trace.Status(trace.StatusCode.ERROR, str(err)))
             raise
         finally:
-            if resume and not finished:  # (a resumable session outlives its call: the Client's stream does the same)
-                for k in range(len(self.addresses)):
-                    with contextlib.suppress(Exception):  # best effort, and never in place of the error being raised
-                        cancel = orchestrator_pb2.CancelRequest(session_id=session_id)
-                        await self._stub((failover.index + k) % len(self.addresses)).Cancel(cancel, timeout=1.0)
-                        break
             span.set_attribute("specsplit.reconnects", failover.reconnects)
-            span.end()
+            span.end()  # (first: the Cancel below awaits, and a second cancellation of this task may stop it there)
+            # A resumable session outlives its call; one left or given up on is cancelled, as the Client's stream does
+            # (unless close() has: it cancels those still open).
+            if self._open.pop(session_id, None) is not None and not finished and (not failed or failover.maybe_made):
+                await self._cancel(session_id, failover.index)
+
+    async def _cancel(self, session_id: str, index: int) -> None:
+        """Cancel a session through the orchestrator at ``index``, else the others in turn; best effort (never in
+        place of an error being raised: the session then expires on its own)."""
+        request = orchestrator_pb2.CancelRequest(session_id=session_id)
+        for k in range(len(self.addresses)):
+            with contextlib.suppress(Exception):
+                await self._stub((index + k) % len(self.addresses)).Cancel(request, timeout=1.0)
+                return
 
     async def close(self) -> None:
+        """Cancel the open resumable generations' sessions, then close the channels."""
+        open_, self._open = self._open, {}  # (their generators, when they end, find theirs gone and cancel nothing)
+        for session_id, failover in open_.items():
+            await self._cancel(session_id, failover.index)
         channels, self._channels = self._channels, {}
         for channel in channels.values():
             await channel.close()

@@ -66,3 +66,64 @@ def test_an_async_resumable_generation_left_early_is_cancelled(target):
     with pytest.raises(grpc.RpcError) as err:
         asyncio.run(read(["127.0.0.1:1", "127.0.0.1:2"], 1))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_closing_an_async_client_cancels_the_sessions_its_loops_left(target):
+    """A loop left by ``break`` without ``aclose()``: the event loop closes that generator later, maybe after the
+    client is closed (before, its Cancel then opened a new channel that was never closed, and a second cancellation
+    could leave its span unended). Leaving ``async with`` cancels the session itself; the span ends; no channel is left."""
+    exporter = span_exporter()
+
+    async def leave(address):
+        client = AsyncClient(address)
+        async with client:
+            async for _ in client.generate(prompt_token_ids=PROMPT, max_new_tokens=200, resume=True,
+                                           session_id="left-open"):
+                break
+        return client
+
+    with two_orchestrators(target) as (stack, _, _):
+        client = asyncio.run(leave(stack.address))
+        assert wait_for(lambda: stack.orchestrator.core.store.load("left-open").status == CANCELLED)
+        assert client._channels == {} and client._open == {}
+    spans = [s for s in exporter.get_finished_spans() if s.name == "specsplit.client.generate"]
+    exporter.shutdown()
+    assert [s.attributes["gen_ai.conversation.id"] for s in spans] == ["left-open"]
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_refused_resumable_start_cancels_no_session(target, monkeypatch, kind):
+    """A resumable start the orchestrator refuses sends no Cancel (before, the Client and the AsyncClient both did):
+    the id of a request over the server's limit then began cancelled when retried within a minute, and a start
+    refused because another live generation holds its id ended that generation."""
+    from specsplit.client import Client
+    from specsplit.launch import start_stack
+    from tiny import hold_each_forward
+
+    def run(address, **kwargs):
+        kwargs.update(prompt_token_ids=PROMPT, resume=True)
+        if kind == "sync":
+            return list(Client(address).generate(**kwargs))
+
+        async def collect():
+            async with AsyncClient(address) as client:
+                return [chunk async for chunk in client.generate(**kwargs)]
+
+        return asyncio.run(collect())
+
+    with start_stack(target, []) as stack:
+        with pytest.raises(grpc.RpcError) as err:
+            run(stack.address, session_id="again", max_new_tokens=10**6)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        chunks = run(stack.address, session_id="again", max_new_tokens=8)
+        assert tokens_of(chunks) == hf_greedy(target.model, PROMPT, 8) and chunks[-1].finish_reason == "length"
+
+        hold_each_forward(stack.verifier_engine, monkeypatch)  # (the holder is still generating when the twin starts)
+        holder = iter(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=60, resume=True,
+                                                     session_id="held"))
+        got = [next(holder), next(holder)]
+        with pytest.raises(grpc.RpcError) as err:
+            run(stack.address, session_id="held", max_new_tokens=8)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        got += list(holder)
+        assert tokens_of(got) == hf_greedy(target.model, PROMPT, 60) and got[-1].finish_reason == "length"

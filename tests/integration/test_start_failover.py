@@ -68,7 +68,7 @@ def test_which_failed_starts_move_to_the_next_orchestrator():
     """A plain generation's start moves when its orchestrator was never reached or was full; when one was reached and
     broke before the first chunk, only if the orchestrator names the session: one the caller named may have been
     taken there, and the next orchestrator would refuse it as taken."""
-    from specsplit.client import start_moves
+    from specsplit.failover import start_moves
 
     class Failed(grpc.RpcError):
         def __init__(self, code, details=""):
