@@ -35,6 +35,12 @@ GenerateChunk = Chunk
 tracer = trace.get_tracer(__name__)
 
 
+def record_failure(span, err: Exception) -> None:
+    """Mark a client span as failed with ``err``."""
+    span.record_exception(err)
+    span.set_status(trace.Status(trace.StatusCode.ERROR, str(err)))
+
+
 class GenerateStream:
     """An iterator of chunks that can be cancelled (the server then stops and frees the session; the iteration ends
     there, without an error). A loop that stops early (``break``, an exception, the iterator closed or dropped) or a
@@ -110,8 +116,7 @@ class ResumableStream(GenerateStream):
             yield from self._calls(span)
         except Exception as err:
             failed = True
-            span.record_exception(err)
-            span.set_status(trace.Status(trace.StatusCode.ERROR, str(err)))
+            record_failure(span, err)
             raise
         finally:
             # A resumable session outlives its stream (for a resume); one this client stopped reading or gave up on
@@ -296,8 +301,7 @@ class AsyncClient:
                     call.cancel()
         except Exception as err:
             failed = True
-            span.record_exception(err)
-            span.set_status(trace.Status(trace.StatusCode.ERROR, str(err)))
+            record_failure(span, err)
             raise
         finally:
             span.set_attribute("specsplit.reconnects", failover.reconnects)
