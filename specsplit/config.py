@@ -7,6 +7,10 @@ from dataclasses import dataclass
 from specsplit.errors import InvalidArgument
 from specsplit.lookup import LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM
 
+# A model's --dtype names -> torch's dtype names (here, not beside torch, so flags are checked without importing it).
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+               "float16": "float16", "fp16": "float16"}
+
 
 @dataclass
 class VerifierConfig:

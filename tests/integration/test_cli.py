@@ -156,6 +156,11 @@ def test_bad_flags_fail_fast_with_one_line(args, words):
 def test_bad_variables_are_flag_errors():
     out = cli("serve", "draft", SPECSPLIT_IDLE_TIMEOUT="5m")
     assert out.returncode == 2 and "--idle-timeout: not a number: '5m' (from SPECSPLIT_IDLE_TIMEOUT)" in out.stderr
+    # (the device and the dtype were checked only as the model loaded, without naming the variable)
+    out = cli("serve", "verifier", SPECSPLIT_DEVICE="gpu")
+    assert out.returncode == 2 and "--device: unknown device 'gpu'" in out.stderr and "(from SPECSPLIT_DEVICE)" in out.stderr
+    out = cli("generate", "hi", SPECSPLIT_DTYPE="float64")
+    assert out.returncode == 2 and "--dtype: unknown dtype 'float64'" in out.stderr and "(from SPECSPLIT_DTYPE)" in out.stderr
 
 
 def test_an_orchestrator_says_when_its_session_store_does_not_answer():
