@@ -23,7 +23,7 @@ from opentelemetry import trace
 from orchestrator.detok import TextStream
 from orchestrator.drafts import DraftMixin
 from orchestrator.placement import KvPlacement
-from orchestrator.replicas import ReplicaSet
+from orchestrator.replicas import ReplicaSet, plaintext_hint
 from orchestrator.requests import GenerationRequest, check_request, tokenize_prompt
 from orchestrator.session import LiveSession, burst_sizer, controller_from_state, text_stream_at
 from specsplit import metrics as meter
@@ -89,7 +89,7 @@ class Orchestrator(DraftMixin):
                     self._verifier_info = replica.client.info(timeout=self.config.draft_timeout_s * 5)
                     break
                 except RpcError as err:
-                    errors.append(f"{replica.address}: {err.code().name}")
+                    errors.append(f"{replica.address}: {err.code().name}{plaintext_hint(err)}")
             else:
                 raise Unavailable(f"no verifier replica answered ({'; '.join(errors)}); retry later")
         return self._verifier_info

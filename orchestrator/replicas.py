@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from specsplit.errors import Unavailable
+from specsplit.tls import hung_up_on_plaintext
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,8 @@ class ReplicaSet:
             if ok and not replica.healthy:
                 log.warning("verifier replica %s is back", replica.address)
             elif not ok and replica.healthy:
-                log.warning("verifier replica %s failed its health check", replica.address)
+                why = getattr(replica.client, "health_error", "")  # (an in-process replica has none)
+                log.warning("verifier replica %s failed its health check%s", replica.address, f" ({why})" if why else "")
             replica.healthy = ok
             replica.failed_checks = 0 if ok else replica.failed_checks + 1
             replica.cut = replica.cut and not ok
@@ -121,3 +123,11 @@ class ReplicaSet:
         self._stop.set()
         for replica in self.replicas:
             replica.client.close()
+
+
+def plaintext_hint(err) -> str:
+    """For an orchestrator's error that names a verifier's failed call: what may mend a plaintext call a verifier
+    serving TLS hung up on ('' otherwise). (Not the call's own details: a client reading them would take the hang-up
+    for its own.)"""
+    details = err.details() if hasattr(err, "details") else ""
+    return " (it hung up: if it serves TLS, give this orchestrator --tls-ca)" if hung_up_on_plaintext(details or "") else ""

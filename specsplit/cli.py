@@ -124,6 +124,7 @@ def generate(args) -> int:
 
     from specsplit.client import Client
     from specsplit.telemetry import setup_telemetry
+    from specsplit.tls import hung_up_on_plaintext
 
     setup_telemetry("specsplit-cli")
     if threading.current_thread() is threading.main_thread():  # (signal handlers go in the main thread only)
@@ -217,10 +218,11 @@ def generate(args) -> int:
     except grpc.RpcError as err:
         print(f"\nspecsplit: error: {err.code().name}: {err.details()}", file=sys.stderr)
         details = err.details() or ""
-        if err.code() == grpc.StatusCode.UNAVAILABLE and tls is not None and not tls.calls and \
-                "Connection refused" not in details and "DNS resolution failed" not in details:
-            # (it answered, then hung up: a TLS server?)
-            print("specsplit: if the orchestrator serves TLS, pass --tls-ca (see --help)", file=sys.stderr)
+        if err.code() == grpc.StatusCode.UNAVAILABLE and tls is not None and hung_up_on_plaintext(details, tls):
+            print("specsplit: the orchestrator hung up: if it serves TLS, pass --tls-ca (see --help)", file=sys.stderr)
+        if err.code() == grpc.StatusCode.UNIMPLEMENTED and "Method not found" in details:
+            print(f"specsplit: {args.orchestrator} answered, but not as an orchestrator: a verifier's or a "
+                  "draft's address? (--orchestrator takes `specsplit serve orchestrator`'s)", file=sys.stderr)
         return 2 if err.code() == grpc.StatusCode.INVALID_ARGUMENT else 1  # (2: the request itself was bad)
     finally:
         if stack is not None:

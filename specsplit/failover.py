@@ -34,8 +34,8 @@ RESUMABLE_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.St
 def never_reached(err: grpc.RpcError) -> bool:
     """The call failed before reaching any server: refused, or a name that does not resolve."""
     details = err.details() or ""
-    return err.code() == grpc.StatusCode.UNAVAILABLE and any(
-        what in details for what in ("Connection refused", "DNS resolution failed", "failed to connect to all"))
+    return err.code() == grpc.StatusCode.UNAVAILABLE and any(what in details for what in (
+        "Connection refused", "DNS resolution failed", "errors resolving", "failed to connect to all"))
 
 
 def start_moves(err: grpc.RpcError, session_id: str) -> bool:

@@ -17,6 +17,7 @@ from specsplit.errors import InvalidArgument
 from specsplit.features import Features
 from specsplit.sampling import SamplingParams
 from specsplit.stream import Chunk, RoundStats
+from specsplit.tls import call_failure
 from specsplit.tree import GrowthStep, SparseDist, TokenTree
 from specsplit.v1 import common_pb2, draft_pb2, draft_pb2_grpc, orchestrator_pb2, verifier_pb2, verifier_pb2_grpc
 
@@ -239,8 +240,7 @@ class Unresponsive(grpc.RpcError):
     def details(self) -> str:
         return self._details
 
-    def __str__(self) -> str:
-        return self._details
+    __str__ = details
 
 
 class RemoteVerifier:
@@ -249,6 +249,7 @@ class RemoteVerifier:
         self.channel = open_channel(address)
         self.stub = verifier_pb2_grpc.VerifierServiceStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        self.health_error = ""  # why the last health check failed (specsplit.tls.call_failure)
         self._calls: set = set()  # Prefill and Verify calls in flight (``cut_calls`` ends them)
         self._calls_lock = threading.Lock()
 
@@ -283,7 +284,8 @@ class RemoteVerifier:
         """grpc.health.v1 says the verifier service is SERVING."""
         try:
             r = self.health_stub.Check(health_pb2.HealthCheckRequest(service=VERIFIER_SERVICE), timeout=timeout)
-        except grpc.RpcError:
+        except grpc.RpcError as err:
+            self.health_error = call_failure(err)
             return False
         return r.status == health_pb2.HealthCheckResponse.SERVING
 
@@ -360,8 +362,7 @@ class RemoteDraft:
                                           tokenizer_fingerprint=tokenizer_fingerprint,
                                           sampling=sampling_to_pb(sampling or SamplingParams()),
                                           target_identity=target_identity, stop_token_ids=list(stop_token_ids)),
-            timeout=timeout,
-        )
+            timeout=timeout)
 
     def propose(self, session_id: str, new_token_ids: list[int], committed_length: int, max_nodes: int,
                 timeout: float, features: list[Features] = ()) -> tuple[TokenTree, float]:
@@ -369,8 +370,7 @@ class RemoteDraft:
             draft_pb2.ProposeRequest(session_id=session_id, new_token_ids=new_token_ids,
                                      committed_length=committed_length, max_nodes=max_nodes,
                                      features=[features_to_pb(f) for f in features]),
-            timeout=timeout,
-        )
+            timeout=timeout)
         return tree_from_pb(r.tree), r.draft_ms
 
     def draft_tree(self, session_id: str, new_token_ids: list[int], committed_length: int, max_nodes: int,

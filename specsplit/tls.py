@@ -107,3 +107,22 @@ def configure(tls: TLS) -> None:
 
 def current() -> TLS:
     return _process
+
+
+# What a plaintext call's error says when the server at the other end speaks TLS: it hung up during the handshake.
+HUNG_UP = ("Socket closed", "Connection reset", "Broken pipe")
+
+
+def hung_up_on_plaintext(details: str, tls: TLS | None = None) -> bool:
+    """Whether a failed call (its ``details``) looks like a server that serves TLS hanging up on a caller that does
+    not use it (``tls``: the caller's; default this process's)."""
+    tls = current() if tls is None else tls
+    return not tls.calls and any(words in details for words in HUNG_UP)
+
+
+def call_failure(err: grpc.RpcError) -> str:
+    """A failed call of this process in a line for a log or an error: its status, its details, and the flag that may
+    mend it when the server hung up on a plaintext call."""
+    details = err.details() or ""
+    hint = "; if it serves TLS, give this process --tls-ca" if hung_up_on_plaintext(details) else ""
+    return f"{err.code().name}: {details}{hint}"

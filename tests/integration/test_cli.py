@@ -239,13 +239,23 @@ def test_services_over_tls_with_client_certificates(model_dir, tmp_path):
         orch, orch_addr = serve("orchestrator", "--verifier", verifier_addr, "--target-model", str(path),
                                  "--tls-ca", pki["ca.pem"], *own)
         procs.append(orch)
+        plain, plain_addr = serve("orchestrator", "--verifier", verifier_addr, "--target-model", str(path))
+        procs.append(plain)  # calls its TLS verifier in plaintext
         args = ("generate", "abcabcabcabc", "--max-new-tokens", "12", "--json", "--no-chat-template")
         out = cli(*args, "--orchestrator", orch_addr)  # plaintext
         assert out.returncode != 0 and "UNAVAILABLE" in out.stderr and "pass --tls-ca" in out.stderr
+        # The hang-up was the orchestrator's verifier's, not the client's: the orchestrator's error says which flag
+        # mends it, and the client does not send its user after its own --tls-ca.
+        out = cli(*args, "--orchestrator", plain_addr)
+        assert "no verifier replica answered" in out.stderr and "give this orchestrator --tls-ca" in out.stderr
+        assert "pass --tls-ca" not in out.stderr
+        out = cli(*args, "--orchestrator", verifier_addr, "--tls-ca", pki["ca.pem"], "--tls-cert", pki["host.pem"],
+                  "--tls-key", pki["host.key"])  # the verifier's address where the orchestrator's belongs
+        assert out.returncode != 0 and "answered, but not as an orchestrator" in out.stderr
         out = cli(*args, "--orchestrator", orch_addr, "--tls-ca", pki["other.pem"])  # a root that did not sign it
         assert out.returncode != 0 and "CERTIFICATE_VERIFY_FAILED" in out.stderr
         out = cli(*args, "--orchestrator", lone_addr)  # serves plaintext; its verifier refuses it
-        assert out.returncode != 0 and "no verifier replica answered" in out.stderr
+        assert out.returncode != 0 and "no verifier replica answered" in out.stderr and "--tls-ca" not in out.stderr
         out = cli(*args, "--orchestrator", orch_addr, "--tls-ca", pki["ca.pem"])
         assert out.returncode == 0, out.stderr
         result = json.loads(out.stdout)

@@ -290,6 +290,10 @@ def test_an_address_that_never_answers_fails_at_once_not_after_the_reconnect_win
     with pytest.raises(grpc.RpcError) as err:
         list(Client(["127.0.0.1:1", "127.0.0.1:2"], reconnect_s=30).generate("hi", resume=True))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - start < 5
+    start = time.monotonic()  # a name that does not resolve (before: retried for reconnect_s)
+    with pytest.raises(grpc.RpcError) as err:
+        list(Client(["nosuchhost.invalid:1", "127.0.0.1:2"], reconnect_s=30).generate("hi", resume=True))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - start < 10
 
 
 def test_an_async_client_is_made_outside_an_event_loop(target):
