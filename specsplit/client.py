@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 
 import grpc
 from opentelemetry import trace
@@ -26,6 +26,7 @@ from opentelemetry import trace
 from specsplit.errors import InvalidArgument
 from specsplit.failover import Failover, Reconnect
 from specsplit.rpc import chunk_from_pb, generate_request_to_pb
+from specsplit.sampling import SamplingParams
 from specsplit.serving import check_address, open_aio_channel, open_channel
 from specsplit.stream import Chunk, RoundStats  # noqa: F401  (re-exported for SDK users)
 from specsplit.tls import TLS
@@ -180,6 +181,34 @@ def check_target(address: str) -> str:
     return address if address.startswith(GRPC_SCHEMES) else check_address(address, listen=False)
 
 
+def addresses_of(address: str | Sequence[str]) -> list[str]:
+    """A client's orchestrator addresses: one, or several (checked by ``check_target``)."""
+    several = not isinstance(address, str) and isinstance(address, Iterable)
+    addresses = [check_target(a) for a in (list(address) if several else [address])]
+    if not addresses:
+        raise ValueError("no orchestrator address given")
+    return addresses
+
+
+def check_timeout(timeout: float | None) -> float | None:
+    if timeout is not None and not timeout > 0:  # (grpc would fail the call with DEADLINE_EXCEEDED at once)
+        raise ValueError(f"timeout must be > 0 seconds (None: no deadline), got {timeout}")
+    return timeout
+
+
+def check_arguments(max_new_tokens: int | None, temperature: float, top_k: int, top_p: float,
+                    timeout: float | None) -> None:
+    """What a generation's arguments can be checked for here, as ``ValueError`` before any call (the orchestrator
+    checks them again, and the rest: the prompt's length, its server's max_new_tokens limit)."""
+    if max_new_tokens is not None and max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be > 0 (None: the server's default), got {max_new_tokens}")
+    check_timeout(timeout)
+    try:
+        SamplingParams(temperature, top_k, top_p).validate()
+    except InvalidArgument as err:
+        raise ValueError(str(err)) from None
+
+
 class Client:
     def __init__(self, address: str | Sequence[str], timeout: float | None = 600.0, reconnect_s: float = 30.0,
                  tls: TLS | None = None, on_reconnect: Callable[[Reconnect], None] | None = None):
@@ -191,11 +220,9 @@ class Client:
         on_reconnect: called with a ``Reconnect`` before each reconnect of a resumable generation, and before a
         plain one's start moves to the next address (to tell a user why the stream stalls; it must not raise)."""
         self.tls = (tls or TLS()).for_calls()
-        self.addresses = [check_target(a) for a in ([address] if isinstance(address, str) else list(address))]
-        if not self.addresses:
-            raise ValueError("no orchestrator address given")
+        self.addresses = addresses_of(address)
         self.address = self.addresses[0]
-        self.timeout = timeout
+        self.timeout = check_timeout(timeout)
         self.reconnect_s = reconnect_s
         self.on_reconnect = on_reconnect
         self._channels: dict[int, grpc.Channel] = {}
@@ -216,6 +243,7 @@ class Client:
         of coupled draws (the default: the tokens then depend on the seed alone; README "Sampling")."""
         if resume:
             session_id = session_id or uuid.uuid4().hex
+        check_arguments(max_new_tokens, temperature, top_k, top_p, timeout)
         request = generate_request_to_pb(prompt, messages, prompt_token_ids, max_new_tokens, temperature, top_k,
                                          top_p, seed, stop, draft, chat_template, session_id, resumable=resume,
                                          rejection_sampling=rejection_sampling)
@@ -247,11 +275,9 @@ class AsyncClient:
         resumes; any generation starts on the next address while one is down or full. ``close()`` (or leaving
         ``async with``) cancels the resumable sessions of generations still open (left by ``break`` and not yet
         closed by the event loop, or still being read)."""
-        self.addresses = [check_target(a) for a in ([address] if isinstance(address, str) else list(address))]
-        if not self.addresses:
-            raise ValueError("no orchestrator address given")
+        self.addresses = addresses_of(address)
         self.address = self.addresses[0]
-        self.timeout = timeout
+        self.timeout = check_timeout(timeout)
         self.reconnect_s = reconnect_s
         self.on_reconnect = on_reconnect
         self._tls = (tls or TLS()).for_calls()
@@ -274,6 +300,7 @@ class AsyncClient:
         its last chunk (``break``, an exception, ``aclose()``) or gives up on is cancelled."""
         if resume:
             session_id = session_id or uuid.uuid4().hex
+        check_arguments(max_new_tokens, temperature, top_k, top_p, timeout)
         request = generate_request_to_pb(prompt, messages, prompt_token_ids, max_new_tokens, temperature, top_k,
                                          top_p, seed, stop, draft, chat_template, session_id, resumable=resume,
                                          rejection_sampling=rejection_sampling)

@@ -1,5 +1,6 @@
 """Bad input gets the right gRPC status and a message a person can act on; the services stay up."""
 
+import re
 import time
 
 import grpc
@@ -7,6 +8,7 @@ import pytest
 
 from specsplit.client import Client
 from specsplit.config import OrchestratorConfig
+from specsplit.errors import InvalidArgument
 from specsplit.launch import start_draft, start_orchestrator, start_stack, start_verifier
 from specsplit.rpc import RemoteDraft, RemoteVerifier
 from specsplit.tree import TokenTree
@@ -169,11 +171,42 @@ def test_a_resumable_generation_fails_at_once_on_a_bad_request(stack):
     (dict(messages=[{"role": "user"}]), "a chat message is a dict with str 'role' and 'content'"),
     (dict(messages=["hi"]), "a chat message is a dict"),
     (dict(prompt="hi", seed=-1), "seed must be in [0, 2**64)"),
+    (dict(prompt="hi", max_new_tokens=-1), "max_new_tokens must be > 0"),  # (these were INVALID_ARGUMENT from a
+    (dict(prompt="hi", temperature=-0.5), "temperature must be >= 0"),  # server, or DEADLINE_EXCEEDED at once)
+    (dict(prompt="hi", top_p=1.5), "top_p must be in [0, 1]"),
+    (dict(prompt="hi", top_k=-1), "top_k must be >= 0"),
+    (dict(prompt="hi", timeout=-1), "timeout must be > 0"),
 ])
 def test_the_sdk_refuses_malformed_requests_before_sending(kwargs, words):
+    import asyncio
+
+    from specsplit.client import AsyncClient
+
     with Client("127.0.0.1:1") as client, pytest.raises(ValueError) as info:  # nothing listens there
         client.generate(**kwargs)
     assert words in str(info.value)
+
+    async def first():
+        async for chunk in AsyncClient("127.0.0.1:1").generate(**kwargs):
+            return chunk
+
+    with pytest.raises(ValueError, match=re.escape(words)):
+        asyncio.run(first())
+
+
+@pytest.mark.parametrize("address, words", [
+    (50051, "an orchestrator address is a HOST:PORT string, got 50051"),  # (was a TypeError from list())
+    ([], "no orchestrator address given"),
+    ("http://orch:50051", "without a URL scheme"),
+])
+def test_the_sdk_refuses_a_malformed_address(address, words):
+    from specsplit.client import AsyncClient
+
+    for make in (Client, AsyncClient):
+        with pytest.raises(ValueError if address == [] else InvalidArgument, match=re.escape(words)):
+            make(address)
+    with pytest.raises(ValueError, match="timeout must be > 0"):
+        Client("127.0.0.1:1", timeout=0)
 
 
 def test_one_stop_string_given_as_a_string_is_one_stop_string():
