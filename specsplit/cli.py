@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 
+from specsplit.config import PARENT_PID_ENV
 from specsplit.flags import build_parser
 
 
@@ -46,6 +47,9 @@ def _draft_process_args(args, kind: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if os.environ.get(PARENT_PID_ENV):  # a child service of `specsplit generate`: it ends with its parent
+        parent = int(os.environ[PARENT_PID_ENV])  # (watched from here, before torch loads for seconds)
+        threading.Thread(target=_stop_when_orphaned, args=(parent,), daemon=True, name="parent-watch").start()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     _quiet_transformers()
@@ -319,9 +323,6 @@ def serve(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     secure = " (TLS)" if server.tls else ""  # the address stays the line's last word
     print(f"specsplit {args.service}{secure} serving on {server.address}", file=sys.stderr, flush=True)
-    if os.environ.get(launch.PARENT_PID_ENV):  # a child service of `specsplit generate`: it ends with its parent
-        parent = int(os.environ[launch.PARENT_PID_ENV])
-        threading.Thread(target=_stop_when_orphaned, args=(parent, stop), daemon=True, name="parent-watch").start()
     stop.wait()
     start = time.monotonic()
     print(f"specsplit {args.service}: stopping: no new calls (health NOT_SERVING); {calls_in_flight()} in flight get up "
@@ -335,10 +336,10 @@ def _terminated(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def _stop_when_orphaned(parent_pid: int, stop: threading.Event) -> None:
-    while not stop.wait(0.5):
-        if os.getppid() != parent_pid:  # the parent is gone: this process was handed to another
-            stop.set()
+def _stop_when_orphaned(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:  # (when the parent is gone, this process is handed to another)
+        time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGTERM)  # serving: it stops as told to; still loading: it ends there
 
 
 def _addresses(text: str) -> list[str]:

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 from specsplit.errors import InvalidArgument
 from specsplit.lookup import LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM
 
+# Set for a child service (``launch.DraftProcess``): it stops once its parent is gone (a `specsplit generate` killed,
+# or that died before it could close its stack), instead of living on with its model loaded (or loading it).
+PARENT_PID_ENV = "SPECSPLIT_PARENT_PID"
+
 # A model's --dtype names -> torch's dtype names (here, not beside torch, so flags are checked without importing it).
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
                "float16": "float16", "fp16": "float16"}

@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass, field
 
 
-from specsplit.config import DraftConfig, OrchestratorConfig, VerifierConfig
+from specsplit.config import PARENT_PID_ENV, DraftConfig, OrchestratorConfig, VerifierConfig
 from specsplit.errors import InvalidArgument
 from specsplit.models import LoadedModel, load_model, load_tokenizer
 from specsplit.serving import Server
@@ -111,9 +111,6 @@ def start_orchestrator(verifier_addresses: str | list[str], draft_addresses: lis
     return server
 
 
-# Set for a child service (``DraftProcess``): it stops once its parent is gone (a `specsplit generate` killed, or that
-# died before it could close its stack), instead of living on with its model loaded.
-PARENT_PID_ENV = "SPECSPLIT_PARENT_PID"
 
 
 class DraftProcess:
@@ -152,7 +149,12 @@ class DraftProcess:
             ready.set()
 
         threading.Thread(target=drain, daemon=True, name="draft-process-log").start()
-        if not ready.wait(timeout_s) or not self.address:
+        try:
+            started = ready.wait(timeout_s)
+        except BaseException:  # Ctrl-C (or SIGTERM) while it starts: it does not go on loading its model alone
+            self.close()
+            raise
+        if not started or not self.address:
             self.close()
             raise InvalidArgument("the draft service process did not start: " + " | ".join(self._log))
 

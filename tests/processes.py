@@ -1,6 +1,7 @@
 """The `specsplit` command in child processes, for tests: one-shot commands and services."""
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -23,3 +24,28 @@ def serve(*args, **env_vars) -> tuple[subprocess.Popen, str]:
     proc.log_reader = threading.Thread(target=lambda: proc.log.extend(proc.stderr), daemon=True)
     proc.log_reader.start()
     return proc, line.rsplit(" ", 1)[1].strip()
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs (reads /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # (an exited child its new parent has not reaped)
+    except FileNotFoundError:
+        return False
+
+
+def signal_while_a_draft_starts(sig: int, draft_args: list[str]) -> tuple[subprocess.Popen, int]:
+    """A process that starts a ``launch.DraftProcess`` (``specsplit serve draft DRAFT_ARGS``) and gets ``sig`` 0.2 s
+    later, while its child still starts (importing torch takes longer); (that process, its draft child's pid)."""
+    script = ("import os, subprocess, sys, threading; from specsplit.launch import DraftProcess\n"
+              "popen = subprocess.Popen\n"
+              "def started(*args, **kwargs):\n"
+              "    proc = popen(*args, **kwargs); print(proc.pid, flush=True)\n"
+              f"    threading.Timer(0.2, os.kill, (os.getpid(), {int(sig)})).start()\n"
+              "    return proc\n"
+              "subprocess.Popen = started\n"
+              f"DraftProcess({draft_args!r})")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return parent, int(parent.stdout.readline())

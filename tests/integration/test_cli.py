@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from pki import make_pki
-from processes import cli, serve
+from processes import cli, running, serve, signal_while_a_draft_starts
 from redis_server import free_port
 from tiny import hf_greedy
 
@@ -322,12 +322,13 @@ def test_eagle_and_medusa_services_as_separate_processes(model_dir, tmp_path):
             assert proc.wait(timeout=20) == 0
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # (an exited child its new parent has not reaped)
-    except FileNotFoundError:
-        return False
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_a_draft_process_interrupted_while_it_starts_ends_with_its_parent():
+    """Ctrl-C while the draft child still starts: the parent stops it (and reaps it) before exiting; it went on to load
+    its model and serve, until its parent watch saw the parent gone (tests/slow: the parent killed)."""
+    parent, child = signal_while_a_draft_starts(signal.SIGINT, ["--draft", "ngram"])
+    assert "KeyboardInterrupt" in parent.stderr.read() and parent.wait(60) != 0
+    assert not running(child)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
@@ -341,14 +342,14 @@ def test_a_draft_process_ends_with_the_process_that_started_it():
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         child = int(parent.stdout.readline())
-        assert _running(child)
+        assert running(child)
     finally:
         parent.kill()
         parent.wait()
     deadline = time.monotonic() + 30
-    while _running(child) and time.monotonic() < deadline:
+    while running(child) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _running(child)
+    assert not running(child)
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])

@@ -67,6 +67,24 @@ def _here(dtype: str) -> bool:
     return {"int8": int8_available, "int4": int4_available}[dtype]()
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_a_draft_process_whose_parent_dies_while_it_loads_ends_then(target):
+    """`specsplit generate` killed (SIGKILL: no cleanup runs) while its half-draft child loads SmolLM2: the child's
+    parent watch runs from its first line and ends it within a second or two. (It ran from the moment the child served:
+    the child lived 12 s more on this 2-core CPU, loading a model nobody would call.)"""
+    import signal
+    import time
+
+    from processes import running, signal_while_a_draft_starts
+
+    parent, child = signal_while_a_draft_starts(signal.SIGKILL, ["--draft", "half", "--threads", "1"])
+    assert parent.wait(60) == -signal.SIGKILL
+    deadline = time.monotonic() + 5  # (its watch looks every 0.5 s)
+    while running(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running(child)
+
+
 @pytest.mark.parametrize("drafter,kind,dtype", [
     ("half", "chat", ""), ("half+ngram", "code_rename", ""),
     pytest.param("half", "chat", "int8", marks=pytest.mark.skipif(not _here("int8"), reason="no weight-only int8 matmul")),
