@@ -92,8 +92,10 @@ def _refuse_stack_flags(args) -> None:
 
     given = [f"--{name.replace('_', '-')}" for name in _given(args, STACK_FLAGS)]
     if given:
-        raise InvalidArgument(f"{', '.join(given)} set up the embedded stack, not a request: with --orchestrator they "
-                              "belong on `specsplit serve orchestrator|draft|verifier`")
+        one = len(given) == 1
+        raise InvalidArgument(f"{', '.join(given)} {'sets' if one else 'set'} up the embedded stack, not a request: with "
+                              f"--orchestrator {'it belongs' if one else 'they belong'} on "
+                              "`specsplit serve orchestrator|draft|verifier`")
 
 
 # the draft flags each drafter reads (--draft auto may pick any of them); another drafter would ignore them

@@ -186,9 +186,18 @@ def load_tokenizer(spec: str | os.PathLike | None) -> PreTrainedTokenizerBase:
     return _loaded(path, "tokenizer", lambda: AutoTokenizer.from_pretrained(path))
 
 
+# The files a model directory gives each part from (any one will do); without them transformers' errors mislead (a
+# directory with no tokenizer file "needs sentencepiece or tiktoken installed").
+PART_FILES = {"tokenizer": ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json"),
+              "model weights": ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")}
+
+
 def _loaded(path, part: str, load):
     """``load()``, a model directory that cannot give its ``part`` (no tokenizer files, no weights, a corrupt file)
     named in one line instead of a transformers traceback."""
+    if not any(any(pathlib.Path(path).glob(pattern)) for pattern in PART_FILES[part]):
+        raise InvalidArgument(f"cannot load the {part} from {path}: it holds none of {', '.join(PART_FILES[part])} "
+                              "(a Hugging Face model directory has its config.json, weights and tokenizer files)")
     try:
         return load()
     except (OSError, ValueError, ImportError, RuntimeError) as err:
