@@ -103,6 +103,7 @@ class ResumableStream(GenerateStream):
         self._timeout = timeout
         self._resumable = resumable
         self._cancelled = False
+        self._settled = False  # its iteration ended and took care of the session (cancelled it or left it)
         self.session_id = request.session_id
 
     @property
@@ -125,8 +126,18 @@ class ResumableStream(GenerateStream):
             if not self._finished and not self._cancelled and (not failed or self._failover.maybe_made):
                 with contextlib.suppress(Exception):  # best effort, and never in place of the error being raised
                     self.cancel(timeout=1.0)
+            self._settled = True
             span.set_attribute("specsplit.reconnects", self.reconnects)
             span.end()
+
+    def close(self) -> None:
+        """Cancel the session unless it finished, or its iteration ended and settled it already: a start refused
+        is not cancelled (its id may be another live session's), and a stream never iterated made no session (closed,
+        it starts none)."""
+        if self._settled or self._call is None:
+            self._cancelled = True  # (nothing more is wanted of it)
+            return
+        super().close()
 
     def _calls(self, span) -> Iterator[Chunk]:
         failover = self._failover
@@ -282,7 +293,9 @@ class AsyncClient:
         self.on_reconnect = on_reconnect
         self._tls = (tls or TLS()).for_calls()
         self._channels: dict[int, grpc.aio.Channel] = {}  # opened on first use, inside the event loop that uses it
-        self._open: dict[str, Failover] = {}  # resumable generations not yet ended: session id -> their failover
+        # Resumable generations not yet ended, by id(their failover) (not by session id: a second generation naming a
+        # live session's id, refused, must not take the first one's entry with it).
+        self._open: dict[int, Failover] = {}
 
     def _stub(self, index: int) -> orchestrator_pb2_grpc.OrchestratorServiceStub:
         if index not in self._channels:
@@ -308,7 +321,7 @@ class AsyncClient:
         span = tracer.start_span("specsplit.client.generate", attributes={"gen_ai.conversation.id": session_id})
         finished = failed = False
         if resume:
-            self._open[session_id] = failover
+            self._open[id(failover)] = failover
         try:
             while True:
                 with trace.use_span(span, end_on_exit=False):
@@ -335,7 +348,7 @@ class AsyncClient:
             span.end()  # (first: the Cancel below awaits, and a second cancellation of this task may stop it there)
             # A resumable session outlives its call; one left or given up on is cancelled, as the Client's stream does
             # (unless close() has: it cancels those still open).
-            if self._open.pop(session_id, None) is not None and not finished and (not failed or failover.maybe_made):
+            if self._open.pop(id(failover), None) is not None and not finished and (not failed or failover.maybe_made):
                 await self._cancel(session_id, failover.index)
 
     async def _cancel(self, session_id: str, index: int) -> None:
@@ -350,8 +363,8 @@ class AsyncClient:
     async def close(self) -> None:
         """Cancel the open resumable generations' sessions, then close the channels."""
         open_, self._open = self._open, {}  # (their generators, when they end, find theirs gone and cancel nothing)
-        for session_id, failover in open_.items():
-            await self._cancel(session_id, failover.index)
+        for failover in open_.values():
+            await self._cancel(failover.request.session_id, failover.index)
         channels, self._channels = self._channels, {}
         for channel in channels.values():
             await channel.close()

@@ -55,9 +55,10 @@ _VARIABLES: set[str] = set()  # the SPECSPLIT_* variables flags read their defau
 
 def _env(name: str, default: str | None = None) -> str | None:
     """A flag's default from its variable, ``SPECSPLIT_`` + the flag's name (``--idle-timeout``:
-    ``SPECSPLIT_IDLE_TIMEOUT``); ``_name_variables`` then says so in the flag's help and errors."""
+    ``SPECSPLIT_IDLE_TIMEOUT``); ``_name_variables`` then says so in the flag's help and errors. A variable set empty
+    counts as unset (as an env file's template leaves it: ``SPECSPLIT_DEVICE=`` is the default device)."""
     _VARIABLES.add(name)
-    return os.environ.get(name, default)
+    return os.environ.get(name) or default
 
 
 def _name_variables(parser: argparse.ArgumentParser) -> None:

@@ -136,6 +136,17 @@ class DraftProcess:
             env["OTEL_METRICS_EXPORTER"] = ",".join(m for m in metrics if m != "prometheus") or "none"
         self.proc = subprocess.Popen([sys.executable, "-m", "specsplit.cli", "serve", "draft", "--listen",
                                       "127.0.0.1:0", *args], stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            started = self._wait_serving(timeout_s)
+        except BaseException:  # Ctrl-C (or SIGTERM) while it starts: it does not go on loading its model alone
+            self.close()
+            raise
+        if not started or not self.address:
+            self.close()
+            raise InvalidArgument("the draft service process did not start: " + " | ".join(self._log))
+
+    def _wait_serving(self, timeout_s: float) -> bool:
+        """Whether it serves within ``timeout_s`` (``address`` then says where)."""
         self._log: collections.deque[str] = collections.deque(maxlen=40)  # its last stderr lines, for errors
         ready = threading.Event()
         self.address = ""
@@ -149,14 +160,7 @@ class DraftProcess:
             ready.set()
 
         threading.Thread(target=drain, daemon=True, name="draft-process-log").start()
-        try:
-            started = ready.wait(timeout_s)
-        except BaseException:  # Ctrl-C (or SIGTERM) while it starts: it does not go on loading its model alone
-            self.close()
-            raise
-        if not started or not self.address:
-            self.close()
-            raise InvalidArgument("the draft service process did not start: " + " | ".join(self._log))
+        return ready.wait(timeout_s)
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -186,8 +186,8 @@ def load_tokenizer(spec: str | os.PathLike | None) -> PreTrainedTokenizerBase:
     return _loaded(path, "tokenizer", lambda: AutoTokenizer.from_pretrained(path))
 
 
-# The files a model directory gives each part from (any one will do); without them transformers' errors mislead (a
-# directory with no tokenizer file "needs sentencepiece or tiktoken installed").
+# Files a model directory usually gives each part from: where it fails to load and has none of them, that is the
+# error (transformers' own misleads: a directory with no tokenizer file "needs sentencepiece or tiktoken installed").
 PART_FILES = {"tokenizer": ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json"),
               "model weights": ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")}
 
@@ -195,14 +195,14 @@ PART_FILES = {"tokenizer": ("tokenizer.json", "tokenizer.model", "vocab.json", "
 def _loaded(path, part: str, load):
     """``load()``, a model directory that cannot give its ``part`` (no tokenizer files, no weights, a corrupt file)
     named in one line instead of a transformers traceback."""
-    if not any(any(pathlib.Path(path).glob(pattern)) for pattern in PART_FILES[part]):
-        raise InvalidArgument(f"cannot load the {part} from {path}: it holds none of {', '.join(PART_FILES[part])} "
-                              "(a Hugging Face model directory has its config.json, weights and tokenizer files)")
     try:
         return load()
     except (OSError, ValueError, ImportError, RuntimeError) as err:
-        reason = " ".join(str(err).split())
-        raise InvalidArgument(f"cannot load the {part} from {path}: {reason[:300]}") from None
+        reason = " ".join(str(err).split())[:300]
+        if not any(any(pathlib.Path(path).glob(pattern)) for pattern in PART_FILES[part]):
+            reason = (f"it holds none of {', '.join(PART_FILES[part])} (a Hugging Face model directory has its "
+                      "config.json, weights and tokenizer files)")
+        raise InvalidArgument(f"cannot load the {part} from {path}: {reason}") from None
 
 
 def load_model(spec: str | os.PathLike | None, device: str | None = "auto", dtype: str | torch.dtype | None = "float32") -> LoadedModel:

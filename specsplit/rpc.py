@@ -47,10 +47,8 @@ def tree_from_pb(msg: common_pb2.TokenTree) -> TokenTree:
                 or any(a > b for a, b in zip(off, off[1:])):
             raise InvalidArgument(f"malformed tree: q_offsets must have num_nodes + 1 = {n + 1} non-decreasing "
                                   f"entries from 0 to len(q_token_ids) = {len(msg.q_token_ids)} = len(q_probs)")
-        node_q = tuple(
-            SparseDist(tuple(msg.q_token_ids[a:b]), tuple(msg.q_probs[a:b])) if b > a else None
-            for a, b in zip(off, off[1:])
-        )
+        node_q = tuple(SparseDist(tuple(msg.q_token_ids[a:b]), tuple(msg.q_probs[a:b])) if b > a else None
+                       for a, b in zip(off, off[1:]))
     return TokenTree(tuple(msg.token_ids), tuple(msg.parents), tuple(msg.draft_probs), node_q)
 
 
@@ -287,7 +285,8 @@ class RemoteVerifier:
         except grpc.RpcError as err:
             self.health_error = call_failure(err)
             return False
-        return r.status == health_pb2.HealthCheckResponse.SERVING
+        self.health_error = "" if r.status == health_pb2.HealthCheckResponse.SERVING else "NOT_SERVING"
+        return not self.health_error
 
     def prefill(self, session_id: str, prompt_token_ids: list[int], timeout: float,
                 sampling: SamplingParams | None = None) -> int:

@@ -91,11 +91,12 @@ def test_closing_an_async_client_cancels_the_sessions_its_loops_left(target):
     assert [s.attributes["gen_ai.conversation.id"] for s in spans] == ["left-open"]
 
 
-@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize("kind", ["sync", "sync-with", "async"])
 def test_a_refused_resumable_start_cancels_no_session(target, monkeypatch, kind):
-    """A resumable start the orchestrator refuses sends no Cancel (before, the Client and the AsyncClient both did):
-    the id of a request over the server's limit then began cancelled when retried within a minute, and a start
-    refused because another live generation holds its id ended that generation."""
+    """A resumable start the orchestrator refuses sends no Cancel (before, the Client and the AsyncClient both did,
+    and a Client stream read in a ``with`` block did still when the block ended): the id of a request over the
+    server's limit then began cancelled when retried within a minute, and a start refused because another live
+    generation holds its id ended that generation."""
     from specsplit.client import Client
     from specsplit.launch import start_stack
     from tiny import hold_each_forward
@@ -104,6 +105,9 @@ def test_a_refused_resumable_start_cancels_no_session(target, monkeypatch, kind)
         kwargs.update(prompt_token_ids=PROMPT, resume=True)
         if kind == "sync":
             return list(Client(address).generate(**kwargs))
+        if kind == "sync-with":
+            with Client(address).generate(**kwargs) as stream:
+                return list(stream)
 
         async def collect():
             async with AsyncClient(address) as client:
@@ -127,3 +131,27 @@ def test_a_refused_resumable_start_cancels_no_session(target, monkeypatch, kind)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         got += list(holder)
         assert tokens_of(got) == hf_greedy(target.model, PROMPT, 60) and got[-1].finish_reason == "length"
+
+
+def test_a_refused_twin_does_not_take_the_live_generation_s_place(target, monkeypatch):
+    """An AsyncClient generation naming the id of one of its live generations is refused; the live one, left early
+    after that, is still cancelled (before, the twin took the live one's entry with it, and nothing cancelled it: it
+    held its caches until it expired)."""
+    from specsplit.launch import start_stack
+    from tiny import hold_each_forward
+
+    async def twins(address):
+        async with AsyncClient(address) as client:
+            holder = client.generate(prompt_token_ids=PROMPT, max_new_tokens=60, resume=True, session_id="held")
+            await holder.__anext__()
+            with pytest.raises(grpc.RpcError) as err:
+                async for _ in client.generate(prompt_token_ids=PROMPT, max_new_tokens=8, resume=True,
+                                               session_id="held"):
+                    pass
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            await holder.aclose()  # left early: cancelled
+
+    with start_stack(target, []) as stack:
+        hold_each_forward(stack.verifier_engine, monkeypatch)
+        asyncio.run(twins(stack.address))
+        assert wait_for(lambda: stack.orchestrator.core.store.load("held").status == CANCELLED)

@@ -163,6 +163,16 @@ def test_bad_variables_are_flag_errors():
     assert out.returncode == 2 and "--dtype: unknown dtype 'float64'" in out.stderr and "(from SPECSPLIT_DTYPE)" in out.stderr
 
 
+def test_a_variable_set_empty_is_unset(monkeypatch):
+    """An env file's template leaves variables empty: SPECSPLIT_DEVICE= is the default device, not an unknown one."""
+    from specsplit.flags import build_parser
+
+    for name in ("SPECSPLIT_DEVICE", "SPECSPLIT_DTYPE", "SPECSPLIT_IDLE_TIMEOUT", "SPECSPLIT_LISTEN"):
+        monkeypatch.setenv(name, "")
+    args = build_parser().parse_args(["serve", "verifier"])
+    assert (args.device, args.dtype, args.idle_timeout, args.listen) == ("auto", "float32", 300.0, "127.0.0.1:50052")
+
+
 def test_an_orchestrator_says_when_its_session_store_does_not_answer():
     """It serves anyway (Redis may come up later) but says so at start, not at the first generation's failure."""
     env = dict(os.environ, SPECSPLIT_THREADS="1")
