@@ -316,7 +316,7 @@ def serve(args) -> int:
             store.retry_s = args.store_retry_s
             why = store.unreachable()
             if why:  # (serving anyway: it may come up; until then generations fail with UNAVAILABLE)
-                print(f"specsplit orchestrator: warning: session store {args.redis_url} does not answer ({why}); "
+                print(f"specsplit orchestrator: warning: session store {store.url} does not answer ({why}); "
                       "generations fail with UNAVAILABLE until it does", file=sys.stderr, flush=True)
         server = launch.start_orchestrator(verifiers, _addresses(args.drafts), launch.load_tokenizer(args.target_model),
                                            args.listen, _tree_config(args), store)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Protocol
@@ -218,7 +219,7 @@ class RedisStore:
         except ImportError:
             raise FailedPrecondition("a Redis session store needs the redis package: pip install 'specsplit[redis]'") from None
 
-        self.url = url
+        self.url = redacted(url)  # (for messages: errors reach clients and traces)
         self.config = config or StoreConfig()
         self.prefix = prefix
         self.retry_s = retry_s
@@ -304,10 +305,25 @@ class RedisStore:
         return None
 
 
+def redacted(url: str) -> str:
+    """A store URL without its password (``redis://user:***@host:6379/0``, ``?password=***``): what an error, a log
+    line or a trace may show. (A store's errors reach every client, as gRPC details, and the tracing backend.)"""
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        netloc = f"{userinfo.split(':', 1)[0]}:***@{host}" if ":" in userinfo else netloc
+    query = urllib.parse.urlencode([(k, "***" if k == "password" else v)
+                                    for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)], safe="*/")
+    if netloc == parts.netloc and "password=" not in parts.query:
+        return url
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
 def open_store(url: str | None, config: StoreConfig | None = None) -> SessionStore:
     """``None``/"" or "memory://": in this process; "redis://host:port/db": shared through Redis."""
     if not url or url == "memory://":
         return InMemoryStore(config)
     if url.startswith(("redis://", "rediss://", "unix://")):
         return RedisStore(url, config)
-    raise InvalidArgument(f"unknown session store URL {url!r}: use redis://HOST:PORT/DB or leave it empty")
+    raise InvalidArgument(f"unknown session store URL {redacted(url)!r}: use redis://HOST:PORT/DB or leave it empty")

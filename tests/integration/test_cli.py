@@ -174,10 +174,11 @@ def test_a_variable_set_empty_is_unset(monkeypatch):
 
 
 def test_an_orchestrator_says_when_its_session_store_does_not_answer():
-    """It serves anyway (Redis may come up later) but says so at start, not at the first generation's failure."""
+    """It serves anyway (Redis may come up later) but says so at start, not at the first generation's failure; the
+    URL it names has no password (its journal is no place for one)."""
     env = dict(os.environ, SPECSPLIT_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "specsplit.cli", "serve", "orchestrator", "--verifier",
-                             "127.0.0.1:1", "--redis-url", f"redis://127.0.0.1:{free_port()}/0", "--listen",
+                             "127.0.0.1:1", "--redis-url", f"redis://:s3cret@127.0.0.1:{free_port()}/0", "--listen",
                              "127.0.0.1:0"], stderr=subprocess.PIPE, text=True, env=env)
     try:
         warning, serving = proc.stderr.readline(), proc.stderr.readline()
@@ -185,6 +186,7 @@ def test_an_orchestrator_says_when_its_session_store_does_not_answer():
         proc.terminate()
         proc.wait(timeout=20)
     assert "does not answer" in warning and "generations fail with UNAVAILABLE until it does" in warning
+    assert "redis://:***@127.0.0.1" in warning and "s3cret" not in warning
     assert "serving on" in serving
 
 

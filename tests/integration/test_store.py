@@ -195,3 +195,19 @@ def test_each_redis_operation_is_a_span_with_its_retries(redis_server):
     exporter.shutdown()
     assert [s.name for s in spans] == ["specsplit.store.write", "specsplit.store.write", "specsplit.store.load"]
     assert all(s.kind == trace.SpanKind.CLIENT and s.attributes["db.system.name"] == "redis" for s in spans)
+
+
+def test_a_store_s_errors_never_show_its_password():
+    """A store's errors reach every client (gRPC details) and the traces: the URL in them has no password (the deploy
+    guide's is ``rediss://:PASSWORD@host:6380/0``)."""
+    from redis_server import free_port
+    from specsplit.errors import InvalidArgument
+
+    store = RedisStore(f"rediss://:s3cret@127.0.0.1:{free_port()}/0?password=s3cret", retry_s=0)
+    with pytest.raises(Unavailable) as err:
+        store.load("some-session")
+    assert "s3cret" not in str(err.value) and "rediss://:***@127.0.0.1" in str(err.value), err.value
+    assert "s3cret" not in (store.unreachable() or "") + store.url
+    with pytest.raises(InvalidArgument) as err:
+        open_store("redis+tls://user:s3cret@host:6380/0")
+    assert "s3cret" not in str(err.value) and "user:***@host" in str(err.value)
