@@ -330,6 +330,8 @@ def serve(args) -> int:
     print(f"specsplit {args.service}: stopping: no new calls (health NOT_SERVING); {calls_in_flight()} in flight get up "
           f"to {args.drain_s:g} s to finish (--drain-s), then are cut off", file=sys.stderr, flush=True)
     server.stop(grace=args.drain_s)
+    if args.service == "orchestrator":  # waits (up to 10 s) for the Release calls of ended sessions still being sent,
+        server.core.close()  # as the embedded stack does (sent on daemon threads, one cut off at exit leaves a cache)
     print(f"specsplit {args.service}: stopped after {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
     return 0
 
