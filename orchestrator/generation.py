@@ -96,7 +96,7 @@ class Orchestrator(DraftMixin):
 
     def prompt_token_ids(self, prompt: str = "", messages: list[dict] | None = None,
                          token_ids: list[int] | None = None, chat_template: bool = True) -> list[int]:
-        return tokenize_prompt(self.tokenizer, prompt, messages, token_ids, chat_template)
+        return tokenize_prompt(self.tokenizer, prompt, messages, token_ids, chat_template, self.verifier_info.max_context)
 
     def validate(self, request: GenerationRequest) -> None:
         check_request(request, self.verifier_info, self.config.max_new_tokens_limit)
@@ -167,9 +167,9 @@ class Orchestrator(DraftMixin):
     def _resume(self, request: GenerationRequest) -> LiveSession:
         session_id, client_has = request.resume_session_id, request.resume_from_token
         state = self.store.load(session_id)
-        if state is None:
-            raise NotFound(f"session {session_id!r} is not in the session store: it never started, or it ended or "
-                           "expired too long ago; start a new generation")
+        if state is None or not state.resumable:  # (a plain session's tokens are its own stream's alone)
+            raise NotFound(f"session {session_id!r} is not in the session store as a resumable one: it never started "
+                           "(with resume=True), or it ended or expired too long ago; start a new generation")
         owned = state.status not in TERMINAL
         draft = self.pick_draft(state.draft) if owned else None
         session = LiveSession(state, draft, controller_from_state(state, self._max_nodes(draft, state.draft)),
@@ -247,7 +247,7 @@ class Orchestrator(DraftMixin):
             update(self.store, session_id, mark)
             if not cancelled and live is None:  # not started yet (a Cancel sent right after its Generate): when it
                 now = time.monotonic()  # starts within a minute, it starts cancelled
-                self._cancelled_early = {k: t for k, t in self._cancelled_early.items() if now - t < 60}
+                self._cancelled_early = {k: t for k, t in list(self._cancelled_early.items())[-9999:] if now - t < 60}
                 self._cancelled_early[session_id] = now
         if cancelled:
             if cancelled[-1].verifier:

@@ -3,6 +3,7 @@ checks that refuse a bad request with INVALID_ARGUMENT before any session exists
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from specsplit.errors import InvalidArgument
@@ -23,14 +24,43 @@ class GenerationRequest:
     resume_from_token: int = 0  # generated tokens the resuming client already has
 
 
+# What one request may carry (past it: INVALID_ARGUMENT), so that no client holds an orchestrator's memory or its
+# interpreter lock: each round scans the text for every stop string, and a Cancel for an id not yet started is kept a
+# minute (measured before these bounds: 20,000 stop strings of 200 characters took one generation from 0.3 to 11.7 s
+# and another client's 40 tokens from 0.1 to 4-5 s; 30 MB ids in Cancels held 240 MB).
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 256
+MAX_ID_CHARS = 256  # a session id (it names Redis keys and goes to every service) or a draft's name
+
+
+def check_id(what: str, value: str) -> None:
+    if len(value) > MAX_ID_CHARS or not value.isprintable():
+        raise InvalidArgument(f"{what} must be at most {MAX_ID_CHARS} printable characters, got {len(value)} "
+                              f"starting {value[:32]!r}")
+
+
+@functools.lru_cache(maxsize=8)
+def longest_token(tokenizer) -> int:
+    """Characters in the vocabulary's longest token (special ones included): a text of n characters is at least
+    n / this many tokens."""
+    return max(1, max((len(token) for token in tokenizer.get_vocab()), default=1))
+
+
 def tokenize_prompt(tokenizer, prompt: str = "", messages: list[dict] | None = None, token_ids: list[int] | None = None,
-                    chat_template: bool = True) -> list[int]:
-    """Exactly one of prompt, messages and token_ids; a prompt goes through the chat template unless told not to."""
+                    chat_template: bool = True, max_context: int | None = None) -> list[int]:
+    """Exactly one of prompt, messages and token_ids; a prompt goes through the chat template unless told not to.
+    max_context: refuse, before tokenizing it, a text that cannot fit in that many tokens (a 60 MB prompt took 12 GB
+    and minutes to tokenize before its length was checked)."""
     given = sum(bool(x) for x in (prompt, messages, token_ids))
     if given == 0:
         raise InvalidArgument("prompt is empty: give a prompt, chat messages or prompt token ids")
     if given > 1:
         raise InvalidArgument("give exactly one of prompt, messages and prompt_token_ids")
+    chars = len(prompt) + sum(len(m["content"]) for m in messages or ())
+    if max_context is not None and (chars > max_context * longest_token(tokenizer)
+                                    or len(messages or ()) >= max_context):
+        raise InvalidArgument(f"prompt of {chars} characters in {len(messages or ()) or 1} message(s) cannot fit the "
+                              f"model's context of {max_context} tokens: shorten the prompt")
     if token_ids:
         return list(token_ids)
     if prompt and not chat_template:
@@ -64,4 +94,9 @@ def check_request(request: GenerationRequest, info: VerifierInfo, max_new_tokens
     if request.max_new_tokens > max_new_tokens_limit:
         raise InvalidArgument(f"max_new_tokens {request.max_new_tokens} is over this server's limit of "
                               f"{max_new_tokens_limit}")
+    if len(request.stop) > MAX_STOP_STRINGS or any(len(stop) > MAX_STOP_CHARS for stop in request.stop):
+        raise InvalidArgument(f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters, got "
+                              f"{len(request.stop)} (the longest {max(map(len, request.stop))} characters)")
+    check_id("session_id", request.session_id)
+    check_id("draft", request.draft)
     request.sampling.validate()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 from orchestrator.generation import GenerationRequest, Orchestrator
+from orchestrator.requests import check_id
 from specsplit.rpc import chunk_to_pb, sampling_from_pb
 from specsplit.serving import grpc_errors
 from specsplit.v1 import orchestrator_pb2, orchestrator_pb2_grpc
@@ -12,6 +13,7 @@ from specsplit.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 def request_from_pb(orchestrator: Orchestrator, msg: orchestrator_pb2.GenerateRequest) -> GenerationRequest:
     if msg.resume_session_id:  # everything else comes from the session store
+        check_id("resume_session_id", msg.resume_session_id)
         return GenerationRequest([], 0, resumable=True, resume_session_id=msg.resume_session_id,
                                  resume_from_token=msg.resume_from_token)
     prompt_ids = orchestrator.prompt_token_ids(
@@ -48,6 +50,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
 
     @grpc_errors
     def Cancel(self, request, context):
+        check_id("session_id", request.session_id)
         return orchestrator_pb2.CancelResponse(cancelled=self.orchestrator.cancel(request.session_id))
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from specsplit.config import PARENT_PID_ENV, DraftConfig, OrchestratorConfig, VerifierConfig
 from specsplit.errors import InvalidArgument
 from specsplit.models import LoadedModel, load_model, load_tokenizer
-from specsplit.serving import Server
+from specsplit.serving import CLIENT_MESSAGE_BYTES, Server
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,8 @@ def start_orchestrator(verifier_addresses: str | list[str], draft_addresses: lis
     orchestrator = Orchestrator([RemoteVerifier(a) for a in verifier_addresses],
                                 [RemoteDraft(a) for a in draft_addresses], tokenizer, config, store)
     max_streams = (config or OrchestratorConfig()).max_streams
-    server = Server(address, [registration(OrchestratorServicer(orchestrator))], max_workers=max_streams + 8)
+    server = Server(address, [registration(OrchestratorServicer(orchestrator))], max_workers=max_streams + 8,
+                    max_receive_bytes=CLIENT_MESSAGE_BYTES)  # (its port is the public one)
     server.core = orchestrator
     orchestrator.replicas.watch(server.set_serving)  # no verifier replica up: it cannot serve, so it says so
     return server

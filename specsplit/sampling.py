@@ -36,6 +36,9 @@ from specsplit.errors import InvalidArgument
 from specsplit.tree import SparseDist, TokenTree
 
 
+MIN_TEMPERATURE = 1e-4  # the smallest sampled temperature (one below is as good as greedy, and can overflow)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0: greedy (argmax); the output is then token-identical to greedy decoding
@@ -68,6 +71,9 @@ class SamplingParams:
     def validate(self) -> None:
         if not self.temperature >= 0.0 or self.temperature != self.temperature:
             raise InvalidArgument(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:  # (below ~1e-37 the scaled logits overflow float32: NaN draws)
+            raise InvalidArgument(f"temperature {self.temperature} is too small to sample at: use 0 (greedy) or at "
+                                  f"least {MIN_TEMPERATURE}")
         if self.temperature > 100.0:
             raise InvalidArgument(f"temperature {self.temperature} is too large (at most 100)")
         if self.top_k < 0:

@@ -22,6 +22,8 @@ from specsplit.tls import current as current_tls
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # trees and prompts are small; KV offload (later) is not
+# What a client may send an orchestrator's public port in one message (gRPC's default): a prompt, not a KV cache.
+CLIENT_MESSAGE_BYTES = 4 * 1024 * 1024
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -262,14 +264,16 @@ class Server:
     """A started gRPC server with health and reflection; ``stop`` flips health then drains."""
 
     def __init__(self, address: str, services: list[tuple[object, callable, str]], max_workers: int = 32,
-                 tls: TLS | None = None):
+                 tls: TLS | None = None, max_receive_bytes: int = MAX_MESSAGE_BYTES):
         """services: (servicer, add_XServicer_to_server, full service name); tls: default this process's
-        (``specsplit.tls.configure``): TLS only when it has a certificate."""
+        (``specsplit.tls.configure``): TLS only when it has a certificate; max_receive_bytes: the largest message it
+        takes (larger: RESOURCE_EXHAUSTED before any of it is parsed)."""
         self.core = None  # the domain object behind the servicer, for in-process owners (tests, embedding)
+        options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers),
             interceptors=server_interceptors(),
-            options=SERVER_OPTIONS,
+            options=[*options, ("grpc.max_receive_message_length", max_receive_bytes)],
         )
         names = []
         for servicer, add, name in services:

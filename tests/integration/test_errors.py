@@ -55,6 +55,15 @@ def generate_unchecked(stack, **kwargs):
     (dict(prompt="hi", draft="model"), grpc.StatusCode.INVALID_ARGUMENT, "no 'model' draft service"),
     (dict(prompt="hi", prompt_token_ids=[1, 2]), grpc.StatusCode.INVALID_ARGUMENT, "exactly one of"),
     (dict(prompt_token_ids=[10**6]), grpc.StatusCode.INVALID_ARGUMENT, "outside the vocabulary"),
+    # What one request may carry (before: each was taken, and held memory or the interpreter lock; a review's runs)
+    (dict(prompt="hi", stop=["x"] * 33), grpc.StatusCode.INVALID_ARGUMENT, "at most 32 stop strings"),
+    (dict(prompt="hi", stop=["x" * 257]), grpc.StatusCode.INVALID_ARGUMENT, "of at most 256 characters"),
+    (dict(prompt="hi", session_id="s" * 257), grpc.StatusCode.INVALID_ARGUMENT, "session_id must be at most 256"),
+    (dict(prompt="hi", session_id="a\nb"), grpc.StatusCode.INVALID_ARGUMENT, "printable characters"),
+    (dict(prompt="x" * (256 * 11 + 1)), grpc.StatusCode.INVALID_ARGUMENT, "cannot fit the model's context of 256"),
+    (dict(messages=[{"role": "user", "content": "x"}] * 256), grpc.StatusCode.INVALID_ARGUMENT, "cannot fit"),
+    (dict(prompt="hi", temperature=1e-45), grpc.StatusCode.INVALID_ARGUMENT, "too small to sample at"),
+    (dict(prompt="x" * (5 << 20)), grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"),  # (the 4 MB message cap)
 ])
 def test_generate_rejects_bad_requests(stack, kwargs, code, words):
     got, details = code_of(lambda: generate_unchecked(stack, **kwargs))
@@ -344,3 +353,19 @@ def test_an_orchestrator_without_a_verifier_reports_not_serving():
         orchestrator.stop(0)
         orchestrator.core.close()
         verifier.stop(0)
+
+
+def test_cancel_and_resume_refuse_what_they_must_not_take(stack):
+    """A Cancel's id is bounded like a session id (each one for an id not yet started is kept a minute), and a plain
+    (not resumable) session cannot be read or taken over by a resume naming its id: its tokens are its stream's."""
+    from specsplit.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
+    with grpc.insecure_channel(stack.address) as channel:
+        stub = orchestrator_pb2_grpc.OrchestratorServiceStub(channel)
+        code, details = code_of(lambda: stub.Cancel(orchestrator_pb2.CancelRequest(session_id="c" * 10_000)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "at most 256 printable characters" in details
+        chunks = list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=4, session_id="plain"))
+        assert chunks[-1].finish_reason == "length"
+        resume = orchestrator_pb2.GenerateRequest(resume_session_id="plain", resume_from_token=0)
+        code, details = code_of(lambda: list(stub.Generate(resume, timeout=30)))
+        assert code == grpc.StatusCode.NOT_FOUND and "as a resumable one" in details
