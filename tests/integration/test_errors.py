@@ -194,6 +194,7 @@ def test_a_resumable_generation_fails_at_once_on_a_bad_request(stack):
     (dict(prompt="hi", seed=-1), "seed must be in [0, 2**64)"),
     (dict(prompt="hi", max_new_tokens=-1), "max_new_tokens must be > 0"),  # (these were INVALID_ARGUMENT from a
     (dict(prompt="hi", temperature=-0.5), "temperature must be >= 0"),  # server, or DEADLINE_EXCEEDED at once)
+    (dict(prompt="hi", temperature=1e-9), "too small to sample at"),
     (dict(prompt="hi", top_p=1.5), "top_p must be in [0, 1]"),
     (dict(prompt="hi", top_k=-1), "top_k must be >= 0"),
     (dict(prompt="hi", timeout=-1), "timeout must be > 0"),
