@@ -26,7 +26,7 @@ class GenerationRequest:
 
 # What one request may carry (past it: INVALID_ARGUMENT), so that no client holds an orchestrator's memory or its
 # interpreter lock: each round scans the text for every stop string, and a Cancel for an id not yet started is kept a
-# minute (measured before these bounds: 20,000 stop strings of 200 characters took one generation from 0.3 to 11.7 s
+# minute (a review's runs before these bounds, tiny model: 20,000 stop strings of 200 characters took one generation from 0.3 to 11.7 s
 # and another client's 40 tokens from 0.1 to 4-5 s; 30 MB ids in Cancels held 240 MB).
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 256
@@ -49,8 +49,8 @@ def longest_token(tokenizer) -> int:
 def tokenize_prompt(tokenizer, prompt: str = "", messages: list[dict] | None = None, token_ids: list[int] | None = None,
                     chat_template: bool = True, max_context: int | None = None) -> list[int]:
     """Exactly one of prompt, messages and token_ids; a prompt goes through the chat template unless told not to.
-    max_context: refuse, before tokenizing it, a text that cannot fit in that many tokens (a 60 MB prompt took 12 GB
-    and minutes to tokenize before its length was checked)."""
+    max_context: refuse, before tokenizing it, a text that cannot fit in that many tokens (in a review's run, before
+    this check and the 4 MB message cap, a 60 MB prompt took the orchestrator to 12 GB while it tokenized)."""
     given = sum(bool(x) for x in (prompt, messages, token_ids))
     if given == 0:
         raise InvalidArgument("prompt is empty: give a prompt, chat messages or prompt token ids")
