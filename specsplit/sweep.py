@@ -11,6 +11,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from specsplit.errors import Unavailable
+
 log = logging.getLogger(__name__)
 
 
@@ -46,6 +48,8 @@ class IdleSweeper:
         for sid in idle:
             try:
                 self._release(sid)
+            except Unavailable as err:  # the service is shutting down (its sessions go with it): no traceback
+                log.info("idle session %s not released: %s", sid, err)
             except Exception:  # noqa: BLE001 - a failed release must not stop the sweep
                 log.exception("releasing idle session %s failed", sid)
         if idle:

@@ -125,6 +125,24 @@ def test_idle_sweeper_releases_only_idle_sessions():
     sweeper.close()
 
 
+def test_an_idle_sweep_during_shutdown_logs_no_traceback(caplog):
+    """A sweep after its verifier engine closed (its Release is UNAVAILABLE: shutting down) says so in one line; it
+    printed a traceback per session at the end of a CI run."""
+    from specsplit.errors import Unavailable
+
+    def shut_down(session_id):
+        raise Unavailable("the verifier is shutting down")
+
+    sweeper = IdleSweeper(shut_down, idle_s=0.01, interval_s=3600)
+    sweeper.touch("a")
+    time.sleep(0.02)
+    with caplog.at_level("INFO", logger="specsplit.sweep"):
+        assert sweeper.sweep() == ["a"]
+    assert not [r for r in caplog.records if r.levelname == "ERROR" or r.exc_info]
+    assert "idle session a not released: the verifier is shutting down" in caplog.text
+    sweeper.close()
+
+
 def test_round_seeds_depend_on_seed_and_position_only():
     assert round_seed(7, 100) == round_seed(7, 100)
     seeds = {round_seed(s, n) for s in range(20) for n in range(50)}
