@@ -215,7 +215,8 @@ def test_coupled_noise_depends_on_seed_and_position_alone():
     logarithms may round differently); another position or seed, other noise."""
     wide = gumbel(5, 40, 10000)  # [10000]
     assert torch.equal(gumbel(5, 40, 4097), wide[:4097])
-    assert torch.allclose(_gumbel_torch(round_seed(5, 40, GUMBEL_STREAM), 10000, "cpu"), wide, rtol=1e-15, atol=0)
+    # within a few ulps: torch's vectorised log differs from numpy's by up to 2.6e-15 relative on an AVX-512 Zen 4
+    assert torch.allclose(_gumbel_torch(round_seed(5, 40, GUMBEL_STREAM), 10000, "cpu"), wide, rtol=1e-14, atol=1e-15)
     assert not torch.equal(gumbel(5, 41, 10000), wide) and not torch.equal(gumbel(6, 40, 10000), wide)
     ids = torch.tensor([3, 9999, 4096, 7])  # [V'] a draft's vocabulary as target ids
     logits = torch.randn(2, 4)  # [2, V']
