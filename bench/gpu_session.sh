@@ -26,7 +26,11 @@ prepare)
         opentelemetry-instrumentation==0.66b2 opentelemetry-instrumentation-grpc==0.66b2 wrapt==2.5.2 \
         importlib-metadata zipp gguf==0.19.0 redis==8.1.0
     gguf=$(.venv/bin/python -c "from specsplit.models import default_gguf_path; print(default_gguf_path())")
-    split -n 6 -d -a 1 "$gguf" .gpu/gguf.
+    # A call carries at most 64 MiB with the working tree (~44 MiB): part 0 holds the wheels (~9 MiB) and a 10 MiB
+    # head of the GGUF, parts 1-5 the rest in five.
+    head -c 10485760 "$gguf" > .gpu/gguf.0
+    tail -c +10485761 "$gguf" > .gpu/rest
+    split -n 5 -d -a 1 --numeric-suffixes=1 .gpu/rest .gpu/gguf. && rm .gpu/rest
     for k in 0 1 2 3 4 5; do mkdir -p .gpu/$k && mv .gpu/gguf.$k .gpu/$k/; done
     sha256sum "$gguf" | cut -d' ' -f1 > .gpu/0/gguf.sha256
     du -sh .gpu/*
