@@ -115,7 +115,7 @@ class StackWorker:
     def stats(self, method: str) -> tuple:
         """The method's verifier's forwards, rows, all processes' CPU seconds, thinks, summed think ms,
         padded tokens, forward ms, ticks, prefill ms (the prompt chunks' share of the forward ms), prompt tokens
-        copied from kept prompts."""
+        copied from kept prompts, forwards replayed as CUDA graphs."""
         self.conn.send(method)
         for _, conn in self.edges:
             conn.send("cpu")
@@ -163,7 +163,7 @@ def _verifier_main(conn, threads: int, cpus: str = "", device: str = "cpu", dtyp
             continue
         stats = servers[method].core.stats
         conn.send((stats.forwards, stats.rows, sum(os.times()[:2]), stats.thinks, stats.think_ms, stats.tokens,
-                   stats.forward_ms, stats.ticks, stats.prefill_ms, stats.prefix_tokens))
+                   stats.forward_ms, stats.ticks, stats.prefill_ms, stats.prefix_tokens, stats.graphed))
     for server in servers.values():
         server.stop(1.0)
         server.core.close()
@@ -196,7 +196,7 @@ def waves_of(prompts: list, n: int, waves: int) -> list[list]:
 def run_specsplit(method: str, stacks: StackWorker, waves: list[list[dict]], max_new: int) -> Result:
     n = len(waves[0])
     stacks.clear_prefixes()
-    forwards, rows, stack_cpu, thinks, think_ms, _, forward_ms, _, prefill_ms, prefix = stacks.stats(method)
+    forwards, rows, stack_cpu, thinks, think_ms, _, forward_ms, _, prefill_ms, prefix, graphed = stacks.stats(method)
     requests: queue.SimpleQueue = queue.SimpleQueue()  # wave by wave: request j = w * n + i
     for j, request in enumerate(r for wave in waves for r in wave):
         requests.put((j, request["prompt"]))
@@ -214,7 +214,7 @@ def run_specsplit(method: str, stacks: StackWorker, waves: list[list[dict]], max
         t.join()
     wall = time.perf_counter() - begin
     forwards_after, rows_after, stack_cpu_after, thinks_after, think_ms_after, _, forward_ms_after, _, prefill_ms_after, \
-        prefix_after = stacks.stats(method)
+        prefix_after, graphed_after = stacks.stats(method)
     own = sum(os.times()[:2]) - cpu + stack_cpu_after - stack_cpu
     other = max(0.0, machine_busy_s() - busy - own) / wall
     rows_per_forward = (rows_after - rows) / max(forwards_after - forwards, 1)
@@ -226,6 +226,7 @@ def run_specsplit(method: str, stacks: StackWorker, waves: list[list[dict]], max
     result.verifier_busy = round((forward_ms_after - forward_ms) / 1e3 / wall, 2)
     result.prefill_share = round((prefill_ms_after - prefill_ms) / max(forward_ms_after - forward_ms, 1e-9), 2)
     result.prefix_tokens = prefix_after - prefix
+    result.graphed_share = round((graphed_after - graphed) / max(forwards_after - forwards, 1), 2)
     return result
 
 
@@ -321,6 +322,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the verifiers' VerifierConfig.prefix_cache_tokens (0: no prompt reuse; default: its default)")
     parser.add_argument("--hf-forward", action="store_true",
                         help="the verifiers run the model's own forward, not the lean one (VerifierConfig.lean_forward)")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="the verifiers replay verification ticks as CUDA graphs (VerifierConfig.cuda_graphs)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run every method this many times per concurrency, taking turns, and report each method's "
                              "median run: the machine's speed drifts by 10-20%% between minutes")
@@ -351,8 +354,10 @@ def main(argv=None) -> None:
     results: list[Result] = []
     stacks = StackWorker(args.threads, args.model_cpus, args.edge_cpus, args.device, args.dtype, args.edge_procs,
                          verifier_overrides(args))
-    for method in METHODS[:2]:  # warm-up
-        run_specsplit(method, stacks, [prompts[:2]], 8)
+    for method in METHODS[:2]:  # warm-up (with CUDA graphs: every prompt of the largest run, so the KV store has
+        # grown to its length and the graphs of most shapes are captured, as in a server that has been up a while)
+        run_specsplit(method, stacks, [prompts[:max(args.sessions) if args.cuda_graphs else 2]],
+                      args.max_new_tokens // 2 if args.cuda_graphs else 8)
     for n, repeat, method in ((n, r, m) for n in args.sessions for r in range(args.repeats) for m in METHODS):
         time.sleep(1.0)  # let the previous method's OpenMP team go idle
         wait_for_quiet(args.wait_idle)
@@ -365,7 +370,8 @@ def main(argv=None) -> None:
         print(f"n={n} #{repeat} {method}: {result.tokens_per_s:.1f} tok/s, p50 {result.p50_ms:.0f} ms, "
               f"p95 {result.p95_ms:.0f} ms, tree {result.mean_tree:.1f}, rows/fwd "
               f"{result.rows_per_forward:.1f}, think {result.think_ms:.0f} ms, verifier busy {result.verifier_busy:.0%} "
-              f"(prefill {result.prefill_share:.0%}, {result.prefix_tokens} prompt tokens copied), other load "
+              f"(prefill {result.prefill_share:.0%}, {result.prefix_tokens} prompt tokens copied, graphed "
+              f"{result.graphed_share:.0%}), other load "
               f"{result.other_load:.2f}", file=sys.stderr, flush=True)
     stacks.close()
     conn.send(None)

