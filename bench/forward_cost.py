@@ -1,4 +1,5 @@
-"""What one verifier forward costs: HF's own decode step vs the packed forward through the model vs the lean one.
+"""What one verifier forward costs: HF's own decode step vs the packed forward through the model vs the lean one
+vs the lean one replayed as a CUDA graph (``verifier_service.graphs``; off a GPU its fixed-shape batch runs eagerly).
 
 Each packed forward verifies ``--rows`` sessions' rows of ``--tokens`` tokens (root + a chain) on ``--cache``-token
 caches, as a scheduler tick does; the three kinds take turns, ``--repeats`` times, and the medians are reported.
@@ -25,6 +26,7 @@ sys.path.insert(0, str(HERE.parent))
 from specsplit.kvcache import cache_kwarg, new_cache  # noqa: E402
 from specsplit.tree import TokenTree  # noqa: E402
 from verifier_service.batching import group_overhead_for, pack_rows, prefill_row, verify_row  # noqa: E402
+from verifier_service.graphs import GraphedForward  # noqa: E402
 from verifier_service.lean import LeanPackedLlama  # noqa: E402
 from verifier_service.slots import SlotStore, packed_forward, use_packed_attention  # noqa: E402
 from proxy import proxy_model  # noqa: E402
@@ -76,17 +78,21 @@ def main(argv=None) -> None:
         kinds["HF decode step (1 token)"] = hf_step
         chain = TokenTree.chain(list(range(6, 6 + args.tokens - 1)))
         for n in args.rows:
-            stores = [SlotStore(max_slots=max(args.rows)), SlotStore(max_slots=max(args.rows))]
+            stores = [SlotStore(max_slots=max(args.rows)), SlotStore(max_slots=max(args.rows)),
+                      SlotStore(max_slots=max(args.rows), scratch=True)]
             prompt = list(range(10, 10 + args.cache))
             for store in stores:
                 lean(store, pack_rows([prefill_row(s, 0, prompt) for s in range(n)], model.dtype, device))
-            packed = pack_rows([verify_row(s, args.cache, 5, chain) for s in range(n)], model.dtype, device,
-                               group_overhead_for(device))
+            rows = [verify_row(s, args.cache, 5, chain) for s in range(n)]
+            packed = pack_rows(rows, model.dtype, device, group_overhead_for(device))
+            graphed = GraphedForward(lean, max(args.rows), device, model.dtype)  # one per store: graphs follow it
             keep = list(range(packed.num_tokens))
             kinds[f"{n} rows x {args.tokens}: through the model"] = (
                 lambda store=stores[0], packed=packed, keep=keep: packed_forward(model, store, packed, cache_arg, keep))
             kinds[f"{n} rows x {args.tokens}: lean"] = (
                 lambda store=stores[1], packed=packed, keep=keep: lean(store, packed, keep))
+            kinds[f"{n} rows x {args.tokens}: graphed"] = (
+                lambda store=stores[2], rows=rows, keep=keep, graphed=graphed: graphed(store, rows, keep))
         times: dict[str, list[float]] = {name: [] for name in kinds}
         for repeat in range(args.repeats + 3):
             for name, run in kinds.items():

