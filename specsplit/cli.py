@@ -285,12 +285,13 @@ def serve(args) -> int:
                            client_ca=args.tls_client_ca)
     tls.configure(own.for_calls() if args.service == "orchestrator" else own.checked())
     if args.service == "verifier":
-        target = launch.load_model(args.target_model, args.device, args.dtype)
         config = VerifierConfig(max_tree_nodes=args.max_tree_nodes, max_sessions=args.max_sessions,
                                 max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
                                 max_batch_tokens=args.max_batch_tokens, prefill_chunk=args.prefill_chunk,
                                 idle_timeout_s=args.idle_timeout, lean_forward=not args.hf_forward,
                                 prefix_cache_tokens=args.prefix_cache_tokens, cuda_graphs=args.cuda_graphs)
+        config.validate()  # (before a model loads for seconds)
+        target = launch.load_model(args.target_model, args.device, args.dtype)
         medusa = None
         if args.medusa:
             from verifier_service.medusa import load_medusa

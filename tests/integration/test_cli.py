@@ -132,6 +132,7 @@ def test_each_service_has_its_own_flags():
     (("generate", "hi", "--draft", "none", "--medusa", "/nowhere"), "--medusa is for --draft medusa or medusa+ngram"),
     (("generate", "hi", "--draft", "half", "--draft-dtype", "float64"), "choose one of auto, bf16"),
     (("serve", "verifier", "--prefill-chunk", "0"), "--prefill-chunk: must be >= 1"),
+    (("serve", "verifier", "--cuda-graphs", "--hf-forward", "--target-model", "/nowhere"), "cannot go with lean_forward"),
     (("generate", "hi", "--threads", "-1"), "--threads: must be >= 0"),
     (("generate", "hi", "--branch-threshold", "2"), "a probability: 0..1"),
     (("generate", "hi", "--orchestrator", "127.0.0.1:1", "--trigger", "fixed"), "--trigger sets up the embedded stack"),
