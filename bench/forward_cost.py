@@ -77,6 +77,10 @@ def main(argv=None) -> None:
 
         kinds["HF decode step (1 token)"] = hf_step
         chain = TokenTree.chain(list(range(6, 6 + args.tokens - 1)))
+        graphs: dict[int, GraphedForward] = {}
+
+        def fail(why: str):
+            raise SystemExit(why)
         for n in args.rows:
             stores = [SlotStore(max_slots=max(args.rows)), SlotStore(max_slots=max(args.rows)),
                       SlotStore(max_slots=max(args.rows), scratch=True)]
@@ -91,8 +95,10 @@ def main(argv=None) -> None:
                 lambda store=stores[0], packed=packed, keep=keep: packed_forward(model, store, packed, cache_arg, keep))
             kinds[f"{n} rows x {args.tokens}: lean"] = (
                 lambda store=stores[1], packed=packed, keep=keep: lean(store, packed, keep))
+            graphs[n] = graphed
             kinds[f"{n} rows x {args.tokens}: graphed"] = (
-                lambda store=stores[2], rows=rows, keep=keep, graphed=graphed: graphed(store, rows, keep))
+                lambda store=stores[2], rows=rows, keep=keep, graphed=graphed: graphed(store, rows, keep) or fail(
+                    f"the graphed forward did not run {len(rows)} rows (failed: {graphed.failed})"))
         times: dict[str, list[float]] = {name: [] for name in kinds}
         for repeat in range(args.repeats + 3):
             for name, run in kinds.items():
@@ -106,6 +112,9 @@ def main(argv=None) -> None:
     print(f"{args.model} on {device}, {args.threads} thread(s), {args.cache}-token caches, median of {args.repeats}:")
     for name, ms in medians.items():
         print(f"  {name}: {ms:.2f} ms")
+    print("  graphed: " + ", ".join(f"{n} rows {g.captures} capture(s), {g.replays} replays"
+                                    + (" (CUDA graphs)" if g.capture else " (no GPU: fixed batches run eagerly)")
+                                    for n, g in graphs.items()))
     if args.out:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "median_ms": medians},
                                        indent=1))

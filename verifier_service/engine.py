@@ -280,7 +280,7 @@ class TargetEngine(KVTransfer):
             logits, argmax, hidden = self._forward(rows, [isinstance(w, VerifyWork) for w in owners],
                                                    any(w.session.needs_hidden for w in owners))
             if self.device.type == "cuda":  # kernels run asynchronously: time (and cost) the forward, not its launch
-                torch.cuda.synchronize(self.device)
+                torch.cuda.current_stream(self.device).synchronize()  # (not the device: another engine may capture)
         except BaseException as err:  # nothing was committed: every session stays as it was
             for work in owners:
                 self._fail(work, err)

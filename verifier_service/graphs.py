@@ -13,16 +13,21 @@ replayed, and the real tokens' logits (and final hidden states) are gathered out
 
 The same weights and operations in the same order as the lean forward; only the shapes differ, by padding no
 real token sees: each real query attends exactly its prefix and its tree ancestors, and the linear layers act on
-tokens independently. Ticks that do not fit (more than ``MAX_TOKENS`` padded tokens or ``max_rows`` rows: a
-prefill chunk, say) run the lean forward as before. A graph is captured on a shape's first use, against the
-store's storage: when the storage moves (it grows for a longer sequence) the graphs are dropped and captured
-again. Off a GPU the same fixed-shape batch runs without a graph (what the CPU tests check); a capture that
-fails is logged once and leaves the verifier on the lean forward.
+tokens independently. Only verification ticks are graphed (every row a Verify's tree or a decode step); a tick with
+a prompt chunk, or over ``MAX_TOKENS`` padded tokens or ``max_rows`` rows, runs the lean forward as before. A graph
+is captured on a shape's first use (S_b in powers of two of the store's growth step, so few shapes) against the
+store's storage: when the storage is reallocated (it grows for a longer sequence) the graphs are dropped and
+captured again. All graphs write into one pair of output buffers, so a graph holds only its inputs. Off a GPU
+the same happens without CUDA: a "graph" is the fixed batch over the storage as it was at capture, run again on
+each replay (what the CPU tests check, stale storage included); a capture that fails is logged once and leaves
+the verifier on the lean forward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -35,12 +40,23 @@ from verifier_service.slots import SlotStore
 log = logging.getLogger(__name__)
 
 MIN_QUERIES = 4  # Q_b >= 4, so a fixed batch's LM head takes its rows as they are (``slots.head_rows``)
-MAX_TOKENS = 1024  # padded tokens (R_b x Q_b) a graphed tick may hold; its logits buffer is [1024, V]
+MAX_TOKENS = 1024  # padded tokens (R_b x Q_b) a graphed tick may hold: the outputs are [1024, V] and [1024, H]
+_CAPTURING = threading.Lock()  # one capture at a time in a process (two engines may share a GPU)
 
 
 def bucket(n: int, least: int = 1) -> int:
     """The least power of two >= max(n, least)."""
     return 1 << (max(n, least) - 1).bit_length()
+
+
+class _Frozen:
+    """The slot store as a graph sees it: the layer tensors of its capture, never grown or replaced."""
+
+    def __init__(self, store: SlotStore):
+        self.keys, self.values = list(store.keys), list(store.values)
+
+    def layer(self, layer_idx: int, like: torch.Tensor, num_slots: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[layer_idx], self.values[layer_idx]  # [slots_alloc, H_kv, capacity, D] each
 
 
 @dataclass
@@ -49,9 +65,8 @@ class _Graph:
     slots: torch.Tensor  # [R_b] the rows' slots
     mask: torch.Tensor  # [R_b, 1, Q_b, S_b] additive attention mask
     batch: PackedBatch  # the fixed-shape batch over those buffers (views)
-    graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor  # [R_b Q_b, V] its outputs, overwritten by each replay
-    hidden: torch.Tensor  # [R_b Q_b, H]
+    store: _Frozen  # the storage it reads and writes
+    graph: "torch.cuda.CUDAGraph | None" = None  # None off a GPU: each replay runs the fixed batch again
 
 
 def fixed_batch(rows: list[Row], shape: tuple[int, int, int], scratch: int, dtype: torch.dtype
@@ -87,62 +102,79 @@ def _as_batch(tokens: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, scr
 class GraphedForward:
     """``GraphedForward(lean, max_rows, device, dtype)(store, rows, keep, hidden)``: what the lean forward of
     ``pack_rows(rows)`` returns ([K, V] logits at the packed indices ``keep``, [T, H] final hidden states or
-    None), or None where the tick does not fit a fixed shape (the caller then runs the lean forward)."""
+    None), or None where the tick is not graphed (the caller then runs the lean forward): a graphed tick wants
+    every token's logits (``keep`` is all of them: verification rows only)."""
 
     def __init__(self, lean: LeanPackedLlama, max_rows: int, device: torch.device | str, dtype: torch.dtype):
         self.lean = lean
         self.max_rows = max_rows
         self.device, self.dtype = torch.device(device), dtype
-        self.capture = self.device.type == "cuda"  # off a GPU the fixed batch runs eagerly
+        self.capture = self.device.type == "cuda"  # off a GPU a "graph" runs its fixed batch again
         self.failed = False  # a capture failed: lean forwards from then on
         self.replays = self.captures = 0
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
-        self._storage: tuple[int, ...] = ()  # the store's tensors (data_ptr) the graphs were captured against
+        self._generation = -1  # the store's generation the graphs were captured against
         self._pool = None  # one memory pool for all graphs (they never run at once)
+        self._stream = torch.cuda.Stream(self.device) if self.capture else None  # warm-ups and captures run here
+        vocab, hidden = lean.lm_head.shape  # [V, H]
+        self._logits = torch.empty(MAX_TOKENS, vocab, dtype=dtype, device=self.device)  # [MAX_TOKENS, V]
+        self._hidden = torch.empty(MAX_TOKENS, hidden, dtype=dtype, device=self.device)  # [MAX_TOKENS, H]
 
     def shape(self, store: SlotStore, rows: list[Row]) -> tuple[int, int, int] | None:
         """(R_b, Q_b, S_b) of the rows' fixed batch, or None if it would not fit."""
         r_b, q_b = bucket(len(rows)), bucket(max(len(row) for row in rows), MIN_QUERIES)
         step = store.grow_tokens
-        s_b = -(-(max(row.start for row in rows) + q_b) // step) * step
+        s_b = step * bucket(-(-(max(row.start for row in rows) + q_b) // step))
         return (r_b, q_b, s_b) if r_b <= self.max_rows and r_b * q_b <= MAX_TOKENS else None
 
     def __call__(self, store: SlotStore, rows: list[Row], keep: list[int], hidden: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        shape = None if self.failed or store.scratch is None else self.shape(store, rows)
+        if self.failed or store.scratch is None or len(keep) != sum(len(row) for row in rows):
+            return None  # (a prompt chunk wants no logits: its tick runs the lean forward)
+        shape = self.shape(store, rows)
         if shape is None:
             return None
-        tokens, slots, mask, index = fixed_batch(rows, shape, store.scratch, self.dtype)
-        if not self.capture:
-            batch = _as_batch(tokens.to(self.device), slots.to(self.device), mask.to(self.device), store.scratch)
-            logits, final = self.lean(store, batch, None, True)  # [T_b, V], [T_b, H]
-        else:
+        with torch.cuda.device(self.device) if self.capture else contextlib.nullcontext():
             graph = self._graph(store, shape)
             if graph is None:
                 return None
+            tokens, slots, mask, index = fixed_batch(rows, shape, store.scratch, self.dtype)
             graph.tokens.copy_(tokens)
             graph.slots.copy_(slots)
             graph.mask.copy_(mask)
-            graph.graph.replay()
+            if graph.graph is not None:
+                graph.graph.replay()
+            else:
+                self._run(graph)
             self.replays += 1
-            logits, final = graph.logits, graph.hidden
-        kept = torch.tensor([index[k] for k in keep] or index[-1:], device=self.device)  # [K] (one row when none)
-        return logits[kept], (final[torch.tensor(index, device=self.device)] if hidden else None)
+            picked = torch.tensor([index[k] for k in keep], device=self.device)  # [K] (keep: every token)
+            return self._logits[picked], (self._hidden[picked] if hidden else None)  # [K, V], [K, H]: copies
+
+    def _run(self, graph: _Graph) -> None:
+        """What a graph records: the lean forward of its fixed batch, into the shared outputs."""
+        logits, final = self.lean(graph.store, graph.batch, None, True)  # [T_b, V], [T_b, H]
+        self._logits[:logits.shape[0]].copy_(logits)
+        self._hidden[:final.shape[0]].copy_(final)
 
     def _graph(self, store: SlotStore, shape: tuple[int, int, int]) -> _Graph | None:
-        """The shape's graph (captured now if new, or if the store's storage moved since)."""
-        h_kv = self.lean.layers[0].k.shape[0] // self.lean.head_dim
-        like = torch.empty(1, h_kv, self.lean.head_dim, dtype=self.dtype, device=self.device)  # [1, H_kv, D]
-        for layer_idx in range(len(self.lean.layers)):  # every slot, S_b positions: no write in a graph grows it
-            store.layer(layer_idx, like, store.scratch + 1, shape[2])
-        storage = tuple(t.data_ptr() for t in store.keys + store.values)
-        if storage != self._storage:  # the KV storage moved: every graph reads and writes the old one
+        """The shape's graph (captured now if new, or if the store's storage was reallocated since)."""
+        try:
+            h_kv = self.lean.layers[0].k.shape[0] // self.lean.head_dim
+            like = torch.empty(1, h_kv, self.lean.head_dim, dtype=self.dtype, device=self.device)  # [1, H_kv, D]
+            for layer_idx in range(len(self.lean.layers)):  # every slot, S_b positions: no write in a graph grows it
+                store.layer(layer_idx, like, store.scratch + 1, shape[2])
+        except torch.cuda.OutOfMemoryError:
+            log.warning("no memory to grow the KV cache to %d positions for a graphed tick; it runs the lean forward",
+                        shape[2])
+            return None
+        if store.generation != self._generation:  # reallocated: every graph reads and writes the old tensors
             self._graphs.clear()
             self._pool = None  # (its pool went with its graphs: capturing into it again fails an allocator assert)
-            self._storage = storage
+            self._generation = store.generation
         if shape not in self._graphs:
             try:
-                self._graphs[shape] = self._capture(store, shape)
+                with _CAPTURING:
+                    self._graphs[shape] = self._capture(store, shape)
             except Exception:  # noqa: BLE001 -- any failure to capture costs speed, never a token
                 log.exception("capturing a CUDA graph of the verifier's forward failed; it runs without graphs")
                 self.failed = True
@@ -154,20 +186,20 @@ class GraphedForward:
         start = time.perf_counter()
         tokens, slots, mask, _ = fixed_batch([], shape, store.scratch, self.dtype)  # padding rows only: the
         tokens, slots, mask = (t.to(self.device) for t in (tokens, slots, mask))  # warm-up writes the scratch slot
-        batch = _as_batch(tokens, slots, mask, store.scratch)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # a first run outside the capture (kernel selection, workspaces)
-            self.lean(store, batch, None, True)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits, final = self.lean(store, batch, None, True)  # [T_b, V], [T_b, H]
-        self._pool = graph.pool()
+        graph = _Graph(tokens, slots, mask, _as_batch(tokens, slots, mask, store.scratch), _Frozen(store))
+        if self.capture:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):  # a first run outside the capture (kernel selection, workspaces)
+                self._run(graph)
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+            graph.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph.graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+                self._run(graph)
+            self._pool = graph.graph.pool()
         self.captures += 1
         log.info("captured the verifier's forward for %d rows x %d tokens over %d keys in %.0f ms (%d graphs)",
                  *shape, (time.perf_counter() - start) * 1e3, len(self._graphs) + 1)
-        return _Graph(tokens, slots, mask, batch, graph, logits, final)
+        return graph
 
 
 def graphed_forward_for(forward, config, device: torch.device | str, dtype: torch.dtype) -> GraphedForward | None:

@@ -36,6 +36,7 @@ class SlotStore:
         self.max_slots = max_slots
         self.grow_tokens = grow_tokens
         self.scratch = max_slots if scratch else None
+        self.generation = 0  # counts the storage's reallocations: what a captured graph (graphs.py) was made against
         self.keys: list[torch.Tensor] = []  # per layer [slots_alloc, H_kv, capacity, D]
         self.values: list[torch.Tensor] = []  # per layer [slots_alloc, H_kv, capacity, D]
         self._free = list(range(max_slots))  # a heap: the lowest free slot first keeps batches contiguous
@@ -60,6 +61,7 @@ class SlotStore:
         while len(self.keys) <= layer_idx:
             self.keys.append(like.new_zeros(0, like.shape[1], 0, like.shape[2]))
             self.values.append(like.new_zeros(0, like.shape[1], 0, like.shape[2]))
+            self.generation += 1
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         have_slots, have_len = keys.shape[0], keys.shape[2]
         if num_slots > have_slots or length > have_len:
@@ -71,6 +73,7 @@ class SlotStore:
             grown_k[:have_slots, :, :have_len] = keys
             grown_v[:have_slots, :, :have_len] = values
             self.keys[layer_idx], self.values[layer_idx] = keys, values = grown_k, grown_v
+            self.generation += 1
         return keys, values
 
     def compact_many(self, moves: list[tuple[int, int, tuple[int, ...]]]) -> None:
