@@ -74,7 +74,7 @@ class TargetEngine(KVTransfer):
         self._num_layers = int(self.model.config.num_hidden_layers)
         self._kv_shape = kv_shape(self.model.config)  # (H_kv, D) of its K/V
         self._packed_forward = packed_forward_for(self.model, self.config.lean_forward)
-        self._graphs = graphed_forward_for(self._packed_forward, self.config, self.device, self.dtype)  # None: off
+        self._graphs = graphed_forward_for(self._packed_forward, self.config, self.max_context, self.device, self.dtype)
         self._store = SlotStore(self.config.max_sessions, self.config.kv_grow_tokens, scratch=bool(self._graphs))
         self._prefixes = PrefixCache(self.config.prefix_cache_tokens)
         self._prefilling: list[PrefillWork] = []  # prompts being prefilled (model thread only)

@@ -55,7 +55,8 @@ class _Frozen:
     def __init__(self, store: SlotStore):
         self.keys, self.values = list(store.keys), list(store.values)
 
-    def layer(self, layer_idx: int, like: torch.Tensor, num_slots: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer(self, layer_idx: int, like: torch.Tensor, num_slots: int, length: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer_idx], self.values[layer_idx]  # [slots_alloc, H_kv, capacity, D] each
 
 
@@ -65,7 +66,7 @@ class _Graph:
     slots: torch.Tensor  # [R_b] the rows' slots
     mask: torch.Tensor  # [R_b, 1, Q_b, S_b] additive attention mask
     batch: PackedBatch  # the fixed-shape batch over those buffers (views)
-    store: _Frozen  # the storage it reads and writes
+    store: _Frozen | None  # the storage it reads and writes (on a GPU only until captured: the graph holds it)
     graph: "torch.cuda.CUDAGraph | None" = None  # None off a GPU: each replay runs the fixed batch again
 
 
@@ -105,9 +106,10 @@ class GraphedForward:
     None), or None where the tick is not graphed (the caller then runs the lean forward): a graphed tick wants
     every token's logits (``keep`` is all of them: verification rows only)."""
 
-    def __init__(self, lean: LeanPackedLlama, max_rows: int, device: torch.device | str, dtype: torch.dtype):
+    def __init__(self, lean: LeanPackedLlama, max_rows: int, device: torch.device | str, dtype: torch.dtype,
+                 max_context: int = 1 << 30):
         self.lean = lean
-        self.max_rows = max_rows
+        self.max_rows, self.max_context = max_rows, max_context  # (S_b's power of two stops at the context)
         self.device, self.dtype = torch.device(device), dtype
         self.capture = self.device.type == "cuda"  # off a GPU a "graph" runs its fixed batch again
         self.failed = False  # a capture failed: lean forwards from then on
@@ -124,7 +126,8 @@ class GraphedForward:
         """(R_b, Q_b, S_b) of the rows' fixed batch, or None if it would not fit."""
         r_b, q_b = bucket(len(rows)), bucket(max(len(row) for row in rows), MIN_QUERIES)
         step = store.grow_tokens
-        s_b = step * bucket(-(-(max(row.start for row in rows) + q_b) // step))
+        steps = -(-(max(row.start for row in rows) + q_b) // step)
+        s_b = step * max(steps, min(bucket(steps), -(-self.max_context // step)))
         return (r_b, q_b, s_b) if r_b <= self.max_rows and r_b * q_b <= MAX_TOKENS else None
 
     def __call__(self, store: SlotStore, rows: list[Row], keep: list[int], hidden: bool = False
@@ -139,7 +142,8 @@ class GraphedForward:
             if graph is None:
                 return None
             tokens, slots, mask, index = fixed_batch(rows, shape, store.scratch, self.dtype)
-            graph.tokens.copy_(tokens)
+            picked = torch.tensor([index[k] for k in keep], device=self.device)  # [K] (keep: every token)
+            graph.tokens.copy_(tokens)  # (host copies before the replay: the host never waits for it)
             graph.slots.copy_(slots)
             graph.mask.copy_(mask)
             if graph.graph is not None:
@@ -147,7 +151,6 @@ class GraphedForward:
             else:
                 self._run(graph)
             self.replays += 1
-            picked = torch.tensor([index[k] for k in keep], device=self.device)  # [K] (keep: every token)
             return self._logits[picked], (self._hidden[picked] if hidden else None)  # [K, V], [K, H]: copies
 
     def _run(self, graph: _Graph) -> None:
@@ -158,6 +161,7 @@ class GraphedForward:
 
     def _graph(self, store: SlotStore, shape: tuple[int, int, int]) -> _Graph | None:
         """The shape's graph (captured now if new, or if the store's storage was reallocated since)."""
+        self._forget_moved(store)  # (before growing: the graphs' hold on the old storage goes first)
         try:
             h_kv = self.lean.layers[0].k.shape[0] // self.lean.head_dim
             like = torch.empty(1, h_kv, self.lean.head_dim, dtype=self.dtype, device=self.device)  # [1, H_kv, D]
@@ -167,10 +171,7 @@ class GraphedForward:
             log.warning("no memory to grow the KV cache to %d positions for a graphed tick; it runs the lean forward",
                         shape[2])
             return None
-        if store.generation != self._generation:  # reallocated: every graph reads and writes the old tensors
-            self._graphs.clear()
-            self._pool = None  # (its pool went with its graphs: capturing into it again fails an allocator assert)
-            self._generation = store.generation
+        self._forget_moved(store)
         if shape not in self._graphs:
             try:
                 with _CAPTURING:
@@ -182,32 +183,45 @@ class GraphedForward:
                 return None
         return self._graphs[shape]
 
+    def _forget_moved(self, store: SlotStore) -> None:
+        if store.generation != self._generation:  # reallocated: every graph reads and writes the old tensors
+            self._graphs.clear()
+            self._pool = None  # (its pool went with its graphs: capturing into it again fails an allocator assert)
+            self._generation = store.generation
+
     def _capture(self, store: SlotStore, shape: tuple[int, int, int]) -> _Graph:
         start = time.perf_counter()
         tokens, slots, mask, _ = fixed_batch([], shape, store.scratch, self.dtype)  # padding rows only: the
         tokens, slots, mask = (t.to(self.device) for t in (tokens, slots, mask))  # warm-up writes the scratch slot
         graph = _Graph(tokens, slots, mask, _as_batch(tokens, slots, mask, store.scratch), _Frozen(store))
         if self.capture:
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):  # a first run outside the capture (kernel selection, workspaces)
-                self._run(graph)
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
-            graph.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph.graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-                self._run(graph)
+            current = torch.cuda.current_stream(self.device)
+            try:
+                self._stream.wait_stream(current)
+                with torch.cuda.stream(self._stream):  # a first run outside the capture (kernels chosen, workspaces)
+                    self._run(graph)
+                current.wait_stream(self._stream)
+                graph.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph.graph, pool=self._pool, stream=self._stream,
+                                      capture_error_mode="thread_local"):
+                    self._run(graph)
+            finally:  # (a capture that fails leaves its stream current)
+                torch.cuda.set_stream(current)
             self._pool = graph.graph.pool()
+            graph.store = None  # the graph holds the storage's addresses; a reallocation drops the graph first
         self.captures += 1
         log.info("captured the verifier's forward for %d rows x %d tokens over %d keys in %.0f ms (%d graphs)",
                  *shape, (time.perf_counter() - start) * 1e3, len(self._graphs) + 1)
         return graph
 
 
-def graphed_forward_for(forward, config, device: torch.device | str, dtype: torch.dtype) -> GraphedForward | None:
+def graphed_forward_for(forward, config, max_context: int, device: torch.device | str, dtype: torch.dtype
+                        ) -> GraphedForward | None:
     """The verifier's graphed forward where ``config.cuda_graphs`` asks for it and ``forward`` (``lean.
-    packed_forward_for``) is the lean one, else None."""
+    packed_forward_for``) is the lean one, else None. max_context: the longest sequence a session may reach."""
     if not config.cuda_graphs:
         return None
     if not isinstance(forward, LeanPackedLlama):
         log.warning("cuda_graphs needs the lean forward of a Llama-architecture target; running without graphs")
         return None
-    return GraphedForward(forward, config.max_batch, device, dtype)
+    return GraphedForward(forward, config.max_batch, device, dtype, max_context)

@@ -74,6 +74,8 @@ def test_the_fixed_shape_pads_rows_tokens_and_keys():
     graphed = GraphedForward(lean_model(), max_rows=8, device=DEVICE, dtype=torch.float32)
     assert graphed.shape(store, rows) == (4, 8, 32)  # 3 rows -> 4; longest 8 tokens; 10 + 8 keys -> 2 steps of 16
     assert graphed.shape(store, [verify_row(0, 40, 1, TREES[0])]) == (1, 8, 64)  # 48 keys -> 4 steps (a power of 2)
+    near_the_end = GraphedForward(graphed.lean, max_rows=8, device=DEVICE, dtype=torch.float32, max_context=40)
+    assert near_the_end.shape(store, [verify_row(0, 40, 1, TREES[0])]) == (1, 8, 48)  # no more steps than the context
     assert graphed.shape(store, rows[2:]) == (1, 4, 16)  # at least 4 tokens a row
     assert graphed.shape(store, rows * 3) is None  # 9 rows > max_rows
     long = [prefill_row(0, 0, list(range(3, 3 + MAX_TOKENS + 1)))]
