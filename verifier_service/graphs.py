@@ -224,4 +224,7 @@ def graphed_forward_for(forward, config, max_context: int, device: torch.device 
     if not isinstance(forward, LeanPackedLlama):
         log.warning("cuda_graphs needs the lean forward of a Llama-architecture target; running without graphs")
         return None
+    if torch.device(device).type != "cuda":
+        log.warning("cuda_graphs on %s: no CUDA graphs there; verification ticks run padded to fixed shapes without "
+                    "them (slower: what the CPU tests check)", device)
     return GraphedForward(forward, config.max_batch, device, dtype, max_context)
