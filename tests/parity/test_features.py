@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from specsplit.client import Client
+from specsplit.config import VerifierConfig
 from specsplit.features import Features
 from specsplit.launch import start_stack
 from specsplit.tree import TokenTree
@@ -25,8 +26,12 @@ def hf_features(model, token_ids):
         return model(torch.tensor([token_ids]), output_hidden_states=True).hidden_states[-1][0]
 
 
-def test_prefill_and_verify_return_the_newly_cached_positions(target):
-    engine = TargetEngine(target)
+GRAPHS = pytest.mark.parametrize("graphs", [False, True], ids=["lean", "cuda-graphs"])  # (fixed-shape ticks)
+
+
+@GRAPHS
+def test_prefill_and_verify_return_the_newly_cached_positions(target, graphs):
+    engine = TargetEngine(target, VerifierConfig(cuda_graphs=graphs))
     try:
         prefill = engine.prefill("s", PROMPT, return_features=True)
         assert prefill.features.first_position == 0
@@ -42,12 +47,14 @@ def test_prefill_and_verify_return_the_newly_cached_positions(target):
         assert (f.first_position, f.num_positions) == (len(PROMPT) - 1, 3)  # root + 2 accepted nodes
         torch.testing.assert_close(f.values.float(), expected[len(PROMPT) - 1:len(PROMPT) + 2], atol=2e-3, rtol=2e-3)
         assert f.end_position == len(committed) - 1
+        assert engine.stats.graphed == graphs  # (the verification; the prompt's tick runs the lean forward)
     finally:
         engine.close()
 
 
-def test_a_decode_burst_returns_the_features_of_every_position_it_cached(target):
-    engine = TargetEngine(target)
+@GRAPHS
+def test_a_decode_burst_returns_the_features_of_every_position_it_cached(target, graphs):
+    engine = TargetEngine(target, VerifierConfig(cuda_graphs=graphs))
     try:
         engine.prefill("s", PROMPT, return_features=True)
         greedy = hf_greedy(target.model, PROMPT, 6)
@@ -57,6 +64,7 @@ def test_a_decode_burst_returns_the_features_of_every_position_it_cached(target)
         assert (f.first_position, f.end_position) == (len(PROMPT) - 1, len(PROMPT) + 4)  # all but the pending token
         expected = hf_features(target.model, PROMPT + greedy[:5])  # [T, H]
         torch.testing.assert_close(f.values.float(), expected[len(PROMPT) - 1:len(PROMPT) + 4], atol=2e-3, rtol=2e-3)
+        assert engine.stats.graphed == (4 if graphs else 0)  # the tree, then three decode steps
     finally:
         engine.close()
 
