@@ -9,10 +9,11 @@
 #
 # A call carries the whole working tree (~40 MB, mostly specsplit/artifacts) plus what `carry` names, at most 64 MiB,
 # so the GGUF (98 MB) travels in parts; the machine keeps /root between calls while warm (it goes back ~30 s after
-# a call: make the next call at once). `run` (~8 min on an H200) runs the CUDA paths of the tests, one verifier
+# a call: make the next call at once). `run` (376 s on an H200) runs the CUDA paths of the tests, one verifier
 # forward's cost (lean vs the model's own, vs HF's decode step), and the concurrency bench: batched vs one at a time
-# vs HF batched, 1-16 sessions, then 8 and 16 with 3 waves (measured 2026-12-04, 376 s). A session of 15 device
-# minutes: the six stage calls and the start took ~60 s there, so one full `graphs` call fits, with time to spare.
+# vs HF batched, 1-16 sessions, then 8 and 16 with 3 waves (2026-12-04). A session of 15 device minutes: the
+# machine's start and the six stage calls took 50-55 s of it there (the lease's held_s), so one full `graphs` call
+# (its steps' timeouts add up to 525 s) fits with time to spare.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SITE=/root/specsplit-site
@@ -103,7 +104,7 @@ graphs)
     tail -8 "$out/concurrency_waves3.txt"
     ;;
 *)
-    sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
     ;;
 esac
