@@ -56,6 +56,7 @@ from specsplit.launch import default_proposers  # noqa: E402
 from specsplit.models import load_model, load_tokenizer  # noqa: E402
 
 METHODS = ["batched", "one_at_a_time", "hf_batched"]
+LEAN = "batched_lean"  # with --cuda-graphs: the batching verifier without them too, side by side in the same run
 
 
 # -- specsplit ---------------------------------------------------------------------------------------
@@ -154,6 +155,8 @@ def _verifier_main(conn, threads: int, cpus: str = "", device: str = "cpu", dtyp
     loaded = load_model(None, device, dtype)
     servers = {"batched": start_verifier(loaded, config=VerifierConfig(**(config or {}))),
                "one_at_a_time": start_verifier(loaded, config=VerifierConfig(**{**(config or {}), "max_batch": 1}))}
+    if (config or {}).get("cuda_graphs"):
+        servers[LEAN] = start_verifier(loaded, config=VerifierConfig(**{**config, "cuda_graphs": False}))
     conn.send({name: server.address for name, server in servers.items()})
     while (method := conn.recv()) is not None:
         if method == "clear":  # a run starts with no kept prompts (none from the warm-up or an earlier run)
@@ -323,7 +326,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--hf-forward", action="store_true",
                         help="the verifiers run the model's own forward, not the lean one (VerifierConfig.lean_forward)")
     parser.add_argument("--cuda-graphs", action="store_true",
-                        help="the verifiers replay verification ticks as CUDA graphs (VerifierConfig.cuda_graphs)")
+                        help="the verifiers replay verification ticks as CUDA graphs (VerifierConfig.cuda_graphs); a "
+                             "batching verifier without them runs too, its tok/s in the table's last columns")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run every method this many times per concurrency, taking turns, and report each method's "
                              "median run: the machine's speed drifts by 10-20%% between minutes")
@@ -354,11 +358,13 @@ def main(argv=None) -> None:
     results: list[Result] = []
     stacks = StackWorker(args.threads, args.model_cpus, args.edge_cpus, args.device, args.dtype, args.edge_procs,
                          verifier_overrides(args))
-    for method in METHODS[:2]:  # warm-up (with CUDA graphs: every prompt of the largest run, so the KV store has
-        # grown to its length and the graphs of most shapes are captured, as in a server that has been up a while)
-        run_specsplit(method, stacks, [prompts[:max(args.sessions) if args.cuda_graphs else 2]],
-                      args.max_new_tokens // 2 if args.cuda_graphs else 8)
-    for n, repeat, method in ((n, r, m) for n in args.sessions for r in range(args.repeats) for m in METHODS):
+    methods = METHODS + ([LEAN] if args.cuda_graphs else [])
+    for method in methods:  # warm-up (with CUDA graphs: every prompt of the largest run, so the KV store has grown
+        # to its length and the graphs of most shapes are captured, as in a server that has been up a while)
+        if method != "hf_batched":
+            run_specsplit(method, stacks, [prompts[:max(args.sessions) if args.cuda_graphs else 2]],
+                          args.max_new_tokens // 2 if args.cuda_graphs else 8)
+    for n, repeat, method in ((n, r, m) for n in args.sessions for r in range(args.repeats) for m in methods):
         time.sleep(1.0)  # let the previous method's OpenMP team go idle
         wait_for_quiet(args.wait_idle)
         if method == "hf_batched":

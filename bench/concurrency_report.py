@@ -68,6 +68,7 @@ def median_runs(results: list[Result]) -> dict[tuple[str, int], Result]:
 def markdown(results: list[Result], references: list[list[int]], args) -> str:
     by = median_runs(results)
     repeats = max(r.repeat for r in results) + 1
+    lean = any(r.method == "batched_lean" for r in results)  # (--cuda-graphs: the batching verifier without them)
     where = (f"; target processes (verifiers, HF) on CPU {args.model_cpus}, clients/orchestrator/draft on CPU "
              f"{args.edge_cpus or 'any'}") if args.model_cpus else ""
     where += f"; {args.edge_procs} edge processes" if args.edge_procs > 1 else ""
@@ -84,22 +85,27 @@ def markdown(results: list[Result], references: list[list[int]], args) -> str:
              "| batched / HF | batched p50 / p95 | one-at-a-time p50 / p95 | HF p50 / p95 | batched TTFT p50 "
              "| mean tree (batched / 1-at-a-time) | rows per forward | verifier busy | prefill share (batched / 1-at-a-time) "
              "| identical to HF greedy | prompt tokens copied (batched / 1-at-a-time) |"
-             + (" batched / one-at-a-time, batched / HF, each repeat |" if repeats > 1 else ""),
-             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|" + ("---|" if repeats > 1 else "")]
+             + (" batched / one-at-a-time, batched / HF, each repeat |" if repeats > 1 else "")
+             + (" batched without CUDA graphs tok/s | with / without |" if lean else ""),
+             "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|" + ("---|" if repeats > 1 else "")
+             + ("--:|--:|" if lean else "")]
     for n in args.sessions:
         b, o, h = by[("batched", n)], by[("one_at_a_time", n)], by[("hf_batched", n)]
         total = len(b.token_ids)
-        same = sum(b.token_ids[j] == references[j % len(references)] and o.token_ids[j] == references[j % len(references)]
-                   for j in range(total))
-        busy = " (busy)" if max(b.other_load, o.other_load, h.other_load) > 0.25 else ""
+        checked = [b, o] + ([by["batched_lean", n]] if lean else [])
+        same = sum(all(r.token_ids[j] == references[j % len(references)] for r in checked) for j in range(total))
+        busy = " (busy)" if max(r.other_load for r in checked + [h]) > 0.25 else ""
         lines.append(f"| {n}{busy} | {b.tokens_per_s:.1f} | {o.tokens_per_s:.1f} | {h.tokens_per_s:.1f} | "
                      f"{b.tokens_per_s / o.tokens_per_s:.2f}x | {b.tokens_per_s / h.tokens_per_s:.2f}x | "
                      f"{b.p50_ms:.0f} / {b.p95_ms:.0f} | {o.p50_ms:.0f} / {o.p95_ms:.0f} | "
                      f"{h.p50_ms:.0f} / {h.p95_ms:.0f} | {b.ttft_p50_ms:.0f} | {b.mean_tree:.1f} / {o.mean_tree:.1f} | "
                      f"{b.rows_per_forward:.1f} | {b.verifier_busy:.0%} | {b.prefill_share:.0%} / {o.prefill_share:.0%} | "
                      f"{same}/{total} | {b.prefix_tokens} / {o.prefix_tokens} |"
-                     + (f" {each_repeat(results, n)} |" if repeats > 1 else ""))
-    lines += ["", "identical: batched and one-at-a-time tokens both equal to HF generate of that prompt alone. "
+                     + (f" {each_repeat(results, n)} |" if repeats > 1 else "")
+                     + (f" {by['batched_lean', n].tokens_per_s:.1f} | "
+                        f"{b.tokens_per_s / by['batched_lean', n].tokens_per_s:.2f}x |" if lean else ""))
+    lines += ["", "identical: batched and one-at-a-time tokens (and without CUDA graphs, where run) all equal to HF "
+              "generate of that prompt alone. "
               "(busy): other processes kept more than a quarter core busy during a run (see other_load in the JSON). verifier busy: the batched verifier's forward time / wall time. prefill share: the prompt "
               "chunks' part of the verifier's forward time (each row's cost share of its forward). prompt tokens copied: "
               "the verifier copied their K/V from an earlier prompt of the same run that began the same way (every run "

