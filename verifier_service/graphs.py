@@ -119,6 +119,8 @@ class GraphedForward:
         self._pool = None  # one memory pool for all graphs (they never run at once)
         self._stream = torch.cuda.Stream(self.device) if self.capture else None  # warm-ups and captures run here
         vocab, hidden = lean.lm_head.shape  # [V, H]
+        h_kv = lean.layers[0].k.shape[0] // lean.head_dim
+        self._like = torch.empty(1, h_kv, lean.head_dim, dtype=dtype, device=self.device)  # [1, H_kv, D] new K/V's
         self._logits = torch.empty(MAX_TOKENS, vocab, dtype=dtype, device=self.device)  # [MAX_TOKENS, V]
         self._hidden = torch.empty(MAX_TOKENS, hidden, dtype=dtype, device=self.device)  # [MAX_TOKENS, H]
 
@@ -142,7 +144,7 @@ class GraphedForward:
             if graph is None:
                 return None
             tokens, slots, mask, index = fixed_batch(rows, shape, store.scratch, self.dtype)
-            picked = torch.tensor([index[k] for k in keep], device=self.device)  # [K] (keep: every token)
+            picked = torch.tensor(index, device=self.device)  # [T] (keep is every token, in packed order)
             graph.tokens.copy_(tokens)  # (host copies before the replay: the host never waits for it)
             graph.slots.copy_(slots)
             graph.mask.copy_(mask)
@@ -163,10 +165,8 @@ class GraphedForward:
         """The shape's graph (captured now if new, or if the store's storage was reallocated since)."""
         self._forget_moved(store)  # (before growing: the graphs' hold on the old storage goes first)
         try:
-            h_kv = self.lean.layers[0].k.shape[0] // self.lean.head_dim
-            like = torch.empty(1, h_kv, self.lean.head_dim, dtype=self.dtype, device=self.device)  # [1, H_kv, D]
             for layer_idx in range(len(self.lean.layers)):  # every slot, S_b positions: no write in a graph grows it
-                store.layer(layer_idx, like, store.scratch + 1, shape[2])
+                store.layer(layer_idx, self._like, store.scratch + 1, shape[2])
         except torch.cuda.OutOfMemoryError:
             log.warning("no memory to grow the KV cache to %d positions for a graphed tick; it runs the lean forward",
                         shape[2])
