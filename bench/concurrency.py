@@ -73,12 +73,13 @@ def one_client(address: str, requests: queue.SimpleQueue, max_new: int, start: t
             begin = last = time.perf_counter()
             tokens: list[int] = []
             latencies: list[float] = []
-            ttft, rounds, drafted = 0.0, 0, 0
+            ttft, rounds, drafted, decoded = 0.0, 0, 0, 0
             for chunk in client.generate(prompt, max_new_tokens=max_new, draft="ngram"):
                 now = time.perf_counter()
                 if chunk.stats is not None:
                     rounds += 1
                     drafted += chunk.stats.num_draft_tokens
+                    decoded += chunk.stats.num_decoded
                 if chunk.token_ids:
                     if not tokens:
                         ttft = now - begin
@@ -86,7 +87,7 @@ def one_client(address: str, requests: queue.SimpleQueue, max_new: int, start: t
                         latencies += [(now - last) / len(chunk.token_ids)] * len(chunk.token_ids)
                     tokens += chunk.token_ids
                     last = now
-            out[j] = Session(tokens, ttft, latencies, rounds, drafted)
+            out[j] = Session(tokens, ttft, latencies, rounds, drafted, last - begin, decoded)
 
 
 class StackWorker:
@@ -290,7 +291,7 @@ def run_hf(conn, waves: list[list[list[int]]], max_new: int) -> Result:
         for row in rows:
             steps = times[:len(row)]
             latencies = [b - a for a, b in zip(steps, steps[1:])]
-            out.append(Session(row, steps[0] - begin if steps else 0.0, latencies))
+            out.append(Session(row, steps[0] - begin if steps else 0.0, latencies, seconds=steps[-1] - begin if steps else 0.0))
         wall += (times[-1] if times else begin) - begin  # the wave's generate ends with its last step
         others.append(other)
     return summarise("hf_batched", len(waves[0]), out, wall, max(others), 0.0, 1.0, float(len(waves[0])))

@@ -16,6 +16,8 @@ class Session:
     token_latencies_s: list[float]  # per token after the first (see bench/concurrency.py's docstring)
     rounds: int = 0
     draft_tokens: int = 0
+    seconds: float = 0.0  # request to last token
+    decoded: int = 0  # tokens the target decoded alone in bursts (after a tree's verdict, or with no tree)
 
 
 @dataclass
@@ -38,6 +40,8 @@ class Result:
     prefill_share: float = 0.0  # of that forward time, the prompt chunks' share (specsplit only)
     prefix_tokens: int = 0  # prompt tokens the verifier copied from kept prompts instead of computing (specsplit only)
     graphed_share: float = 0.0  # of the verifier's forwards, those replayed as CUDA graphs (specsplit only)
+    session_s: list[float] = field(default_factory=list)  # each session's request to last token, s (the queue's order)
+    decoded: int = 0  # tokens decoded alone in bursts, all sessions (specsplit only)
     token_ids: list[list[int]] = field(default_factory=list)
 
 
@@ -54,6 +58,7 @@ def summarise(method, concurrency: int, sessions: list[Session], wall, other, me
                   round(percentile(lat, 0.5) * 1e3, 1), round(percentile(lat, 0.95) * 1e3, 1),
                   round(statistics.median(s.ttft_s for s in sessions) * 1e3, 1), round(mean_tree, 2),
                   round(tau, 2), round(rows_per_forward, 2), round(other, 2),
+                  session_s=[round(s.seconds, 3) for s in sessions], decoded=sum(s.decoded for s in sessions),
                   token_ids=[s.token_ids for s in sessions])
 
 
