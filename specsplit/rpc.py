@@ -89,6 +89,7 @@ class VerifyTiming:
     queue_ms: float = 0.0  # of which waiting for the batch it rode in
     cost_ms: float = 0.0  # its share of the batched forward (0: the verifier did not say)
     call_ms: float = 0.0  # the caller's wall time of the Verify: verify_ms + network + serialization (0: not timed)
+    busy_ms: float = 0.0  # of verify_ms, the verifier's model working, not idling (0: not said)
 
 
 def verdict_to_pb(verdict: Verdict, committed_length: int, timing: VerifyTiming, features: Features | None = None,
@@ -102,6 +103,7 @@ def verdict_to_pb(verdict: Verdict, committed_length: int, timing: VerifyTiming,
         verify_ms=timing.verify_ms,
         queue_ms=timing.queue_ms,
         cost_ms=timing.cost_ms,
+        busy_ms=timing.busy_ms,
     )
     if features is not None:
         msg.features.CopyFrom(features_to_pb(features))
@@ -316,7 +318,8 @@ class RemoteVerifier:
                                                   expected_committed_length=expected_committed_length,
                                                   max_commit=max_commit, decode_steps=decode_steps), timeout)
         return VerifierReply(r.committed_length, *_extras_from_pb(r), verdict_from_pb(r),
-                             VerifyTiming(r.verify_ms, r.queue_ms, r.cost_ms, (time.perf_counter() - start) * 1e3))
+                             VerifyTiming(r.verify_ms, r.queue_ms, r.cost_ms, (time.perf_counter() - start) * 1e3,
+                                          r.busy_ms))
 
     def release(self, session_id: str, timeout: float) -> bool:
         return self.stub.Release(verifier_pb2.ReleaseRequest(session_id=session_id), timeout=timeout).released

@@ -323,7 +323,8 @@ class TargetEngine(KVTransfer):
                 continue
             work.session.answered_at = time.perf_counter()
             work.future.set_result(VerifyResult(verdict, work.session.committed_length, ms_since(work.enqueued),
-                                                work.queue_ms, work.cost_ms, features, proposal))
+                                                work.queue_ms, work.cost_ms, features, proposal,
+                                                (self._scheduler.busy_s() - work.busy_at_submit) * 1e3))
 
     def _extras(self, session: TargetSession, start_position: int,
                 kept: torch.Tensor | None) -> tuple[Features | None, TokenTree | None]:

@@ -33,6 +33,7 @@ class Work:
     tokens: int  # tokens it adds to the tick (0 for bookkeeping such as Release)
     future: Future = field(default_factory=Future)
     enqueued: float = field(default_factory=time.perf_counter)
+    busy_at_submit: float = 0.0  # the scheduler's busy_s() when it was submitted
 
 
 _STOP = object()
@@ -52,14 +53,25 @@ class Scheduler:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._carry: collections.deque[Work] = collections.deque()  # first in the next tick
         self._closed = False
+        self._busy_lock = threading.Lock()
+        self._busy_s = 0.0  # the model thread's summed time in ticks (finished ones)
+        self._tick_start: float | None = None  # perf_counter when the running tick began (None: gathering or idle)
         self._thread = threading.Thread(target=self._loop, name=f"specsplit-{name}", daemon=True)
         self._thread.start()
 
     def submit(self, work: Work) -> Future:
         if self._closed:
             raise Unavailable("the verifier is shutting down")
+        work.busy_at_submit = self.busy_s()
         self._queue.put(work)
         return work.future
+
+    def busy_s(self) -> float:
+        """The model thread's time in ticks so far, the running one counted to now (any thread): between a work's
+        submission and its answer, the time the model worked rather than idled (gathering, waiting for sessions
+        on their way back, or with nothing to do)."""
+        with self._busy_lock:
+            return self._busy_s + (time.perf_counter() - self._tick_start if self._tick_start is not None else 0.0)
 
     def close(self) -> None:
         self._closed = True
@@ -74,6 +86,8 @@ class Scheduler:
             batch = self.gather()
             if batch is None:
                 break
+            with self._busy_lock:
+                self._tick_start = time.perf_counter()
             try:
                 with torch.inference_mode():
                     continuing = self.run_tick(batch)
@@ -82,6 +96,10 @@ class Scheduler:
                 for work in batch:
                     if not work.future.done():
                         work.future.set_exception(err)
+            finally:
+                with self._busy_lock:
+                    self._busy_s += time.perf_counter() - self._tick_start
+                    self._tick_start = None
             self._requeue(continuing)
         for work in [*self._carry, *self._drain()]:
             work.future.set_exception(Unavailable("the verifier shut down before this request ran"))

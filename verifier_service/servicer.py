@@ -52,7 +52,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
             request.session_id, tree_from_pb(request.tree), request.expected_committed_length, request.max_commit,
             request.decode_steps)
         self.sweeper.touch(request.session_id)
-        timing = VerifyTiming(result.verify_ms, result.queue_ms, result.cost_ms)
+        timing = VerifyTiming(result.verify_ms, result.queue_ms, result.cost_ms, busy_ms=result.busy_ms)
         return verdict_to_pb(result.verdict, result.committed_length, timing, result.features, result.proposal)
 
     @grpc_errors

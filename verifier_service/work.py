@@ -78,6 +78,7 @@ class VerifyResult:
     cost_ms: float = 0.0  # this request's share of its forward (fixed cost split by rows, the rest by tokens)
     features: Features | None = None  # the newly cached positions' features (root + accepted rows), if asked
     proposal: TokenTree | None = None  # Medusa's tree for the next Verify, if asked
+    busy_ms: float = 0.0  # of verify_ms, the model thread's time in ticks (its own and others'): not idling
 
 
 class PrefillResult(NamedTuple):

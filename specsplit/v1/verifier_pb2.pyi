@@ -84,7 +84,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., expected_committed_length: _Optional[int] = ..., max_commit: _Optional[int] = ..., decode_steps: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted_token_ids", "next_token_id", "accepted_node_indices", "committed_length", "verify_ms", "queue_ms", "cost_ms", "features", "proposal", "decoded_token_ids")
+    __slots__ = ("accepted_token_ids", "next_token_id", "accepted_node_indices", "committed_length", "verify_ms", "queue_ms", "cost_ms", "features", "proposal", "decoded_token_ids", "busy_ms")
     ACCEPTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_NODE_INDICES_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class VerifyResponse(_message.Message):
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     DECODED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_MS_FIELD_NUMBER: _ClassVar[int]
     accepted_token_ids: _containers.RepeatedScalarFieldContainer[int]
     next_token_id: int
     accepted_node_indices: _containers.RepeatedScalarFieldContainer[int]
@@ -105,7 +106,8 @@ class VerifyResponse(_message.Message):
     features: _common_pb2.Features
     proposal: _common_pb2.TokenTree
     decoded_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, accepted_token_ids: _Optional[_Iterable[int]] = ..., next_token_id: _Optional[int] = ..., accepted_node_indices: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., verify_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., cost_ms: _Optional[float] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., proposal: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., decoded_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    busy_ms: float
+    def __init__(self, accepted_token_ids: _Optional[_Iterable[int]] = ..., next_token_id: _Optional[int] = ..., accepted_node_indices: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., verify_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., cost_ms: _Optional[float] = ..., features: _Optional[_Union[_common_pb2.Features, _Mapping]] = ..., proposal: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., decoded_token_ids: _Optional[_Iterable[int]] = ..., busy_ms: _Optional[float] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -97,7 +97,8 @@ def test_verifier_errors(stack):
     verdict, _ = verifier.verify("s1", TokenTree.empty(), len(PROMPT), 0, timeout=5)
     code, details = code_of(lambda: verifier.verify("s1", TokenTree.empty(), len(PROMPT), 0, timeout=5))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "stale or repeated" in details
-    verdict2, _ = verifier.verify("s1", TokenTree.empty(), len(PROMPT) + 1, 0, timeout=5)
+    verdict2, timing = verifier.verify("s1", TokenTree.empty(), len(PROMPT) + 1, 0, timeout=5)
+    assert 0 < timing.busy_ms <= timing.verify_ms < timing.call_ms  # the verifier's work, its time, the caller's
     target = stack.target
     assert [verdict.next_token_id, verdict2.next_token_id] == hf_greedy(target.model, PROMPT, 2)
     assert verifier.release("s1", timeout=5) is True

@@ -208,6 +208,7 @@ def test_a_decode_burst_is_the_target_decoding_alone(target, prompts, references
         assert first.verdict.decoded_token_ids == tuple(reference[2:8])
         assert list(first.verdict.committed_token_ids) == reference[:8]
         assert first.committed_length == len(prompt) + 8
+        assert 0 < first.busy_ms <= first.verify_ms  # the model working, 7 ticks (alone here: the verifier hardly idles)
         second = engine.verify("s", TokenTree.empty(), len(prompt) + 8, 3, 8)  # max_commit ends it early
         assert list(second.verdict.committed_token_ids) == reference[8:11]
         with pytest.raises(InvalidArgument, match="max_decode_steps"):

@@ -168,6 +168,24 @@ def test_scheduler_waits_for_the_sessions_expected_back_but_not_for_the_others()
         sched.close()
 
 
+def test_busy_time_counts_the_ticks_not_the_waiting_for_sessions_on_their_way_back():
+    """What a work's answer less its submission in ``busy_s`` tells a caller: the model's working time, without the
+    tick's wait for a session expected back (the idling a round trip causes a batching verifier)."""
+    rec = Recorder(delay=0.05)
+    sched = Scheduler(rec, max_batch=8, max_tokens=100, wait_s=0.3, expected=lambda deadline: {id("a"), id("b")})
+    try:
+        work = named("a", 1, "a")
+        start, future = time.perf_counter(), sched.submit(work)
+        time.sleep(0.2)  # b comes late: the tick waits for it
+        sched.submit(named("b", 1, "b")).result(timeout=5)
+        future.result(timeout=5)
+        wall, busy = time.perf_counter() - start, sched.busy_s() - work.busy_at_submit
+        assert rec.ticks == [["a", "b"]]
+        assert 0.05 <= busy < 0.15 and wall >= 0.25  # one tick's work; the 0.2 s wait for b is not
+    finally:
+        sched.close()
+
+
 class Continuing(Recorder):
     """Runs ticks whose works named "p..." continue for ``chunks`` ticks each (a long prompt's chunks)."""
 
