@@ -373,15 +373,9 @@ class Orchestrator(DraftMixin):
                 else:
                     budget = session.controller.choose(remaining - 1) if session.draft_usable() else 0
                     tree, draft_ms = self._propose(session, budget)
-                    verdict, timing = self._verify(session, tree, remaining)
+                    verdict, timing = self._verify(session, tree, remaining, session.tree_burst(tree, remaining))
                     wasted = len(tree) - len(verdict.accepted_nodes)
-                    # The tree's real cost is its share of the verifier's batched forward: under load the fixed
-                    # cost of a forward is shared by many sessions, drafted tokens are relatively dearer, and the
-                    # controller drafts less (an older verifier reports no share: use its time). A target-only
-                    # round's cost is per token: its burst decoded them one forward each.
-                    cost_ms = (timing.cost_ms or timing.verify_ms) / (1 if len(tree) else len(verdict.committed_token_ids))
-                    session.controller.observe(len(tree), len(verdict.accepted_nodes), _branch_depth(tree, verdict),
-                                               cost_ms, draft_ms if tree else None)
+                    session.observe_budget_round(tree, verdict, timing, draft_ms, round_start)
                 committed = list(verdict.committed_token_ids)
                 span.set_attribute("specsplit.num_draft_tokens", len(tree))
                 span.set_attribute("specsplit.num_accepted", len(verdict.accepted_nodes))
@@ -421,16 +415,19 @@ class Orchestrator(DraftMixin):
             if finish:
                 return
 
-    def _verify(self, session: LiveSession, tree: TokenTree, remaining: int):
+    def _verify(self, session: LiveSession, tree: TokenTree, remaining: int, steps: int | None = None):
         """Verify the round's tree -> (verdict, timing). With no tree the target decodes a burst of tokens
-        alone in the same request (``orchestrator.burst``), sized by the round trips measured so far."""
-        steps = 0 if len(tree) else session.burst.tokens(remaining) - 1
+        alone in the same request (``orchestrator.burst``), sized by the round trips measured so far; ``steps``:
+        decode steps after the verdict (``LiveSession.tree_burst``; None: a tree's none, no tree's a burst)."""
+        if steps is None:
+            steps = 0 if len(tree) else session.burst.tokens(remaining) - 1
         if session.prefill is not None:  # a new session's first round, its prefill still running
             reply = self._verify_first(session, tree, remaining, steps)  # (its call time includes the prefill's)
         else:
             reply = self.placement.verify(session, tree, remaining, decode_steps=steps)
-            session.burst.observe(reply.timing.call_ms, reply.timing.verify_ms,
-                                  len(reply.verdict.committed_token_ids), plain=not len(tree))
+            session.burst.observe(reply.timing.call_ms, reply.timing.verify_ms, len(reply.verdict.committed_token_ids),
+                                  plain=not len(tree), decoded=len(reply.verdict.decoded_token_ids) if len(tree) else 0,
+                                  busy_ms=reply.timing.busy_ms)
         return reply.verdict, reply.timing
 
     def _verify_first(self, session: LiveSession, tree: TokenTree, remaining: int, steps: int):
@@ -444,7 +441,3 @@ class Orchestrator(DraftMixin):
             return early[1]
         return self.placement.verify(session, tree, remaining, decode_steps=steps)
 
-
-def _branch_depth(tree: TokenTree, verdict) -> int:
-    """Depth of the branch acceptance followed (the deepest branch when nothing was accepted)."""
-    return len(tree.branch_below(verdict.accepted_nodes[-1])) if verdict.accepted_nodes else tree.depth

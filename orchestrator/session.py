@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 
@@ -80,6 +81,25 @@ class LiveSession:
             self.feature_bytes += reply.features.nbytes
         if self.medusa:
             self.proposal = reply.proposal
+
+    def tree_burst(self, tree: TokenTree, remaining: int) -> int | None:
+        """Decode steps a budget round's Verify asks for after its tree's verdict (``BurstSizer.steps_after_tree``,
+        by the controller's expected accepted tokens for the tree's depth); None with no tree (a plain burst)."""
+        return self.burst.steps_after_tree(self.controller.expected_accepted(tree.depth), remaining) if len(tree) else None
+
+    def observe_budget_round(self, tree: TokenTree, verdict, timing, draft_ms: float | None, round_start: float) -> None:
+        """What a budget round (a whole tree or none, ``BudgetController``) measured: its wall time since
+        ``round_start`` (perf_counter s) for the bursts, its cost for the controller. The tree's real cost is its
+        share of the verifier's batched forward: under load the fixed cost of a forward is shared by many sessions,
+        drafted tokens are relatively dearer, and the controller drafts less (an older verifier reports no share: use
+        its time). A burst's cost is per token, one forward each (after a tree: the tree counted as one)."""
+        decoded = len(verdict.decoded_token_ids)
+        if len(tree):
+            self.burst.observe_drafted((time.perf_counter() - round_start) * 1e3, decoded)
+        per = 1 + decoded if len(tree) else len(verdict.committed_token_ids)
+        depth = len(tree.branch_below(verdict.accepted_nodes[-1])) if verdict.accepted_nodes else tree.depth
+        self.controller.observe(len(tree), len(verdict.accepted_nodes), depth,  # (the branch acceptance followed)
+                                (timing.cost_ms or timing.verify_ms) / per, draft_ms if tree else None)
 
     def save_controller(self) -> None:
         self.state.controller = asdict(self.controller)

@@ -213,6 +213,30 @@ def test_a_burst_never_asks_more_than_the_verifier_decodes(target):
     assert max(committed) == 3 and len(committed) < 20  # one token and two decoded alone a Verify
 
 
+def test_a_drafted_round_whose_draft_seldom_pays_ends_in_a_burst(target):
+    """n-gram rounds next to a tiny model (a ~1 ms forward beside a few ms of gRPC a round): a drafted round costs
+    more per token than the target decoding alone, so its Verify decodes a burst after the tree's verdict. Greedy
+    output stays HF greedy's, a seeded sampled one is the same as with one token a round, and --burst-max 1
+    decodes nothing after a tree."""
+    prompt = [258] + [10, 11, 12, 13, 14] * 8  # n-gram matches everywhere, the model goes its own way
+    one = OrchestratorConfig(burst_max=1)
+    ngram = [NgramProposer(DraftConfig())]
+    with start_stack(target, ngram) as stack, start_stack(target, ngram, orchestrator_config=one) as single:
+        chunks = list(Client(stack.address).generate(prompt_token_ids=prompt, max_new_tokens=60, draft="ngram"))
+        assert tokens_of(chunks) == hf_greedy(target.model, prompt, 60)
+        rounds = [c.stats for c in chunks if c.stats]
+        assert any(r.num_draft_tokens and r.num_decoded for r in rounds), rounds
+        single_rounds = [c.stats for c in Client(single.address).generate(prompt_token_ids=prompt, max_new_tokens=30,
+                                                                          draft="ngram") if c.stats]
+        assert not any(r.num_decoded for r in single_rounds)
+
+        def sampled(address):
+            return tokens_of(Client(address).generate(prompt_token_ids=prompt, max_new_tokens=30, temperature=1.5,
+                                                      seed=5, draft="ngram"))
+
+        assert sampled(stack.address) == sampled(single.address)
+
+
 def test_a_new_session_starts_from_the_latest_sessions_estimates(target, monkeypatch):
     """A streamed-tree session's trigger is a copy of the previous session's: it starts where that one's
     estimates were, and moves on its own (share_estimates off: each starts afresh)."""
