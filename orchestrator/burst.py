@@ -14,8 +14,8 @@ capped at ``max_tokens``; a step is the model's working time per token. Next to 
 ~50 ms a step on CPU) that is one token a Verify, as without bursts. A batching verifier's ticks wait for the
 sessions on their way back (``batch_wait_ms``), so every round trip also idles everyone's next tick: a cost of
 the round like the network (sized by verify_ms, which holds that idling, bursts stayed 1-3 tokens and 8 sessions
-on a host-bound verifier ran at 0.70-0.76x of HF's batched decoding: README, "A host-bound verifier on two
-cores"). Time spent on other sessions' ticks is work, not overhead: a verifier serving requests one at a time
+on a host-bound verifier ran at 0.86-0.92x of HF's batched decoding; by busy_ms, 1.03-1.06x: README, "A host-bound
+verifier on two cores"). Time spent on other sessions' ticks is work, not overhead: a verifier serving requests one at a time
 idles seldom, and bursts there stay as short as before. Each
 session measures afresh, and before it has measured anything it asks for one token: with no draft, its
 first token streams after one step, not after a whole burst. (Doubling bursts from there, like TCP's
@@ -84,19 +84,19 @@ class BurstSizer:
     def observe(self, call_ms: float, verify_ms: float, committed: int, plain: bool, decoded: int = 0,
                 busy_ms: float = 0.0) -> None:
         """One Verify: the caller's wall time of it, the verifier's, the tokens it committed, whether it was
-        target-only, and (a drafted one) how many it decoded alone after the tree's verdict. A drafted round's
-        verify_ms stands in for a step until a burst is seen (its tree's forward is dearer than a step, so the first
-        bursts are short); with a burst after its tree, its ticks (the tree's counted as one step) measure a step."""
-        if busy_ms > 0:  # the verifier's model working meanwhile; its idling is the round's overhead, like the network
-            verify_ms = busy_ms
+        target-only, (a drafted one) how many it decoded alone after the tree's verdict, and the verifier's working
+        time meanwhile (``busy_ms``; 0 from a verifier that does not say). A drafted round's time stands in for a
+        step until a burst is seen (its tree's forward is dearer than a step, so the first bursts are short); with a
+        burst after its tree, its ticks (the tree's counted as one step) measure a step."""
+        work_ms = busy_ms or verify_ms  # the model working meanwhile (an older verifier: its time); idling is overhead
         if call_ms > 0:
-            self.outside_ms = self._mix(self.outside_ms, max(call_ms - verify_ms, 0.0))
+            self.outside_ms = self._mix(self.outside_ms, max(call_ms - work_ms, 0.0))
         if plain and committed > 0:
-            self.step_ms = self._mix(self.step_ms, verify_ms / committed)
-        elif decoded > 0 and verify_ms > 0:
-            self.step_ms = self._mix(self.step_ms, verify_ms / (1 + decoded))
-        elif self.step_ms is None and verify_ms > 0:
-            self.step_ms = verify_ms
+            self.step_ms = self._mix(self.step_ms, work_ms / committed)
+        elif decoded > 0 and work_ms > 0:
+            self.step_ms = self._mix(self.step_ms, work_ms / (1 + decoded))
+        elif self.step_ms is None and work_ms > 0:
+            self.step_ms = work_ms
 
     def _mix(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.ema) * old + self.ema * new
