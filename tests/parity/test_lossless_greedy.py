@@ -34,7 +34,10 @@ def test_unrelated_random_draft(target):
 def test_draft_equals_target_accepts_everything(target):
     same = tiny_loaded(seed=0, layers=2)  # same weights as the target
     depth = 5
-    budget = OrchestratorConfig(trigger="budget")  # the Propose path: top-k trees of model_depth (streamed: test_lossless_streamed)
+    # The Propose path: top-k trees of model_depth (streamed: test_lossless_streamed). One token a Verify past the tree:
+    # on this tiny target a draft forward costs more than a target step, so its rounds would end in decode bursts
+    # (orchestrator/burst.py) and the short generation would end before the trees reach full depth.
+    budget = OrchestratorConfig(trigger="budget", burst_max=1)
     with start_stack(target, [ModelProposer(same, DraftConfig(model_top_k=2, model_depth=depth))],
                      orchestrator_config=budget) as stack:
         for prompt in PROMPTS:
