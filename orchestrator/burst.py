@@ -23,10 +23,11 @@ slow start, was measured and dropped: its short early bursts made target-only ro
 goodput trigger, which then kept drafting; 0.78x / 0.64x tokens/s at RTT 50 / 100 with the eagle draft,
 bench/results/network_burst_eagle_slowstart.md.)
 
-A drafted round of a lookup draft (n-gram, Medusa: the budget controller's rounds) may end in a burst too: when the
-round's own wall time (draft, round trip, the verifier's queue and forward) per token it is expected to commit is
-more than a target-only token costs (``step_ms``), its Verify asks for the same burst after the tree's verdict
-(``steps_after_tree``). That is a session whose draft is seldom right next to a verifier whose forwards are short
+A drafted round of the budget controller (lookup drafts: n-gram, Medusa; any draft with --trigger budget) may end in a
+burst too: when the round's own wall time (draft, round trip, the verifier's queue and forward) per token it is
+expected to commit is more than a target-only token costs (``step_ms``), its Verify asks for the same burst after the
+tree's verdict (``steps_after_tree``). That is a session whose draft is seldom right (or slow) next to a verifier
+whose forwards are short
 beside everything else a round costs: a GPU, or any verifier across a slow network. There a drafted round commits
 about one token per round trip, slower than the target decoding alone (on an H200, 8 sessions with the n-gram draft
 took 1.77 s for their 64 tokens each: ~27 ms a token for the last one to finish, against ~20 ms a step for HF's
