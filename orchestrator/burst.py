@@ -27,8 +27,8 @@ A drafted round of the budget controller (lookup drafts: n-gram, Medusa; any dra
 burst too: when the round's own wall time (draft, round trip, the verifier's queue and forward) per token it is
 expected to commit is more than a target-only token costs (``step_ms``), its Verify asks for the same burst after the
 tree's verdict (``steps_after_tree``). That is a session whose draft is seldom right (or slow) next to a verifier
-whose forwards are short
-beside everything else a round costs: a GPU, or any verifier across a slow network. There a drafted round commits
+whose forwards are short beside everything else a round costs: a GPU, or any verifier across a slow network. There
+a drafted round commits
 about one token per round trip, slower than the target decoding alone (on an H200, 8 sessions with the n-gram draft
 took 1.77 s for their 64 tokens each: ~27 ms a token for the last one to finish, against ~20 ms a step for HF's
 batched decoding of the same prompts; bench/results/concurrency_h200_eager). The tree still gets its chance
