@@ -100,10 +100,7 @@ def verdict_to_pb(verdict: Verdict, committed_length: int, timing: VerifyTiming,
         next_token_id=verdict.next_token_id,
         decoded_token_ids=verdict.decoded_token_ids,
         committed_length=committed_length,
-        verify_ms=timing.verify_ms,
-        queue_ms=timing.queue_ms,
-        cost_ms=timing.cost_ms,
-        busy_ms=timing.busy_ms,
+        verify_ms=timing.verify_ms, queue_ms=timing.queue_ms, cost_ms=timing.cost_ms, busy_ms=timing.busy_ms,
     )
     if features is not None:
         msg.features.CopyFrom(features_to_pb(features))
