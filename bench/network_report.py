@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+import sys
 
 import procstat
 
@@ -134,7 +135,11 @@ def report(data: dict, out: pathlib.Path) -> str:
 
 
 def plot(rows: list[dict], path: pathlib.Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the tables matter more than the picture: say how to get it, and go on
+        print(f"{path.name} not drawn: matplotlib is missing (pip install -e '.[bench]')", file=sys.stderr)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
