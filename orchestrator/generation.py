@@ -29,7 +29,7 @@ from orchestrator.session import LiveSession, burst_sizer, controller_from_state
 from specsplit import metrics as meter
 from specsplit.config import OrchestratorConfig
 from specsplit.errors import (DataLoss, FailedPrecondition, NotFound, ResourceExhausted, SpecSplitError, StaleRound,
-                              Unavailable)
+                              Unavailable, made_no_session)
 from specsplit.rpc import DraftInfo, RpcError, VerifierInfo
 from specsplit.store import CANCELLED, DETACHED, FINISHED, RUNNING, TERMINAL, InMemoryStore, SessionState, update
 from specsplit.stream import Chunk, RoundStats
@@ -150,10 +150,10 @@ class Orchestrator(DraftMixin):
             return
         try:
             inflight.future.result()
-        except BaseException:
+        except BaseException as err:
             self._abandon(session)
             session.lost = True  # nothing left for _settle to do
-            raise
+            raise made_no_session(err)
         self._commit_started(session)  # the store now names the replica holding the cache
 
     def _commit_started(self, session: LiveSession) -> None:
@@ -295,7 +295,10 @@ class Orchestrator(DraftMixin):
 
     def _generate(self, request: GenerationRequest, cancelled: threading.Event | None) -> Iterator[Chunk]:
         cancelled = cancelled or threading.Event()
-        info = self.verifier_info
+        try:
+            info = self.verifier_info
+        except Unavailable as err:  # no verifier replica answered: a start made nothing (a resume's session stays)
+            raise err if request.resume_session_id else made_no_session(err)
         with tracer.start_as_current_span(f"specsplit.orchestrator.generate {info.model}") as span:
             span.set_attributes({"gen_ai.operation.name": "text_completion", "gen_ai.request.model": info.model,
                                  "specsplit.resumed": bool(request.resume_session_id)})
@@ -305,7 +308,7 @@ class Orchestrator(DraftMixin):
             except BaseException as err:  # refused (a bad request, at capacity, nothing to resume): no session
                 span.set_attribute("error.type", type(err).__qualname__)
                 meter.generations.add(1, {"finish_reason": "refused"})
-                raise
+                raise err if request.resume_session_id else made_no_session(err)  # (a failed start is abandoned)
             state = session.state
             self._live[session.id] = session
             before = (state.generated, state.rounds)  # (a resumed session's, made before this call)

@@ -6,6 +6,7 @@ import threading
 
 from orchestrator.generation import GenerationRequest, Orchestrator
 from orchestrator.requests import check_id
+from specsplit.errors import SpecSplitError, made_no_session
 from specsplit.rpc import chunk_to_pb, sampling_from_pb
 from specsplit.serving import grpc_errors
 from specsplit.v1 import orchestrator_pb2, orchestrator_pb2_grpc
@@ -41,7 +42,11 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServiceServicer):
     def Generate(self, request, context):
         cancelled = threading.Event()
         context.add_callback(cancelled.set)  # the client went away: stop, and release downstream sessions
-        generation = self.orchestrator.generate(request_from_pb(self.orchestrator, request), cancelled)
+        try:
+            generate = request_from_pb(self.orchestrator, request)
+        except SpecSplitError as err:  # (tokenizing a start needs the verifier's context length: it may be unreachable)
+            raise err if request.resume_session_id else made_no_session(err)
+        generation = self.orchestrator.generate(generate, cancelled)
         try:
             for chunk in generation:
                 yield chunk_to_pb(chunk)

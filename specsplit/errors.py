@@ -42,3 +42,19 @@ class StaleRound(FailedPrecondition):
         super().__init__(f"session {session_id!r} is at round {stored_round}, this write expected round "
                          f"{expected_round}: another writer committed first (a stale orchestrator or a retried "
                          "request); reload the session and retry from its current state")
+
+
+# Trailing metadata of a failed Generate that started no session (an orchestrator that reached no verifier, a prompt
+# whose prefill failed): nothing is stored under its id, so the client starts it again rather than resuming it, and
+# sends no Cancel when it gives up (one for an id no session has makes a start with that id within a minute begin
+# cancelled). ``grpc_errors`` sends it for an error ``made_no_session`` marked.
+NO_SESSION_KEY = "specsplit-no-session"
+
+
+def made_no_session(err: BaseException) -> BaseException:
+    """Mark ``err`` as the error of a start that left no session behind; returns it."""
+    try:
+        err.specsplit_no_session = True
+    except AttributeError:  # (an exception type with __slots__: left unmarked, so the client resumes and cancels)
+        pass
+    return err

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from specsplit.errors import NO_SESSION_KEY
 from specsplit.stream import Chunk
 from specsplit.v1 import orchestrator_pb2
 
@@ -38,13 +39,19 @@ def never_reached(err: grpc.RpcError) -> bool:
         "Connection refused", "DNS resolution failed", "errors resolving", "failed to connect to all"))
 
 
+def made_no_session(err: grpc.RpcError) -> bool:
+    """The orchestrator says this failed call left no session under its id (``specsplit.errors.NO_SESSION_KEY``)."""
+    trailing = err.trailing_metadata() if callable(getattr(err, "trailing_metadata", None)) else None
+    return any(key == NO_SESSION_KEY for key, _ in (trailing or ()))
+
+
 def start_moves(err: grpc.RpcError, session_id: str) -> bool:
     """Whether a plain (not resumable) generation whose call failed before any chunk came back may start on another
     orchestrator: one that was never reached or was full took nothing; one broken after it was reached may have made
     the session, so a caller-chosen ``session_id`` would then be refused elsewhere as taken (the first error is the
     truer one)."""
     code = err.code()
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED or never_reached(err):
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED or never_reached(err) or made_no_session(err):
         return True
     return code in RESUMABLE_CODES and not session_id
 
@@ -107,7 +114,9 @@ class Failover:
         ``on_reconnect``, and return the pause (s) before that call."""
         code = err.code()
         resuming = self.request is not self.first
-        self.maybe_made = self.maybe_made or not refused_start(err, resuming)
+        # (A start the orchestrator says it left no session for made none, whatever came back before its error.)
+        none_made = not resuming and made_no_session(err)
+        self.maybe_made = not none_made and (self.maybe_made or not refused_start(err, resuming))
         never_stored = code == grpc.StatusCode.NOT_FOUND and not self.started and resuming
         # A resume that lost the race to claim the session (its old orchestrator still committed a round, or another
         # resume claimed it first) is told to resume again from the session's current state.
@@ -136,7 +145,7 @@ class Failover:
                                         self.give_up_at - now, self.attempt))
         pause, self.delay = self.delay, min(2 * self.delay, 1.0)
         self.reconnects += 1
-        # Resume where we are; a session no orchestrator ever stored is started again, same id.
-        self.request = self.first if never_stored or refused else orchestrator_pb2.GenerateRequest(
+        # Resume where we are; a session no orchestrator ever stored (or kept) is started again, same id.
+        self.request = self.first if never_stored or refused or none_made else orchestrator_pb2.GenerateRequest(
             resume_session_id=self.first.session_id, resume_from_token=self.received)
         return pause

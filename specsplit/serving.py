@@ -15,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 
-from specsplit.errors import InvalidArgument, SpecSplitError, Unavailable
+from specsplit.errors import NO_SESSION_KEY, InvalidArgument, SpecSplitError, Unavailable
 from specsplit.tls import TLS
 from specsplit.tls import current as current_tls
 
@@ -75,6 +75,8 @@ def grpc_errors(method):
         from opentelemetry import trace
 
         trace.get_current_span().record_exception(err)
+        if getattr(err, "specsplit_no_session", False):
+            context.set_trailing_metadata(((NO_SESSION_KEY, "1"),))
         if not stream:
             context.abort(code, details)
         context.set_code(code)

@@ -134,3 +134,68 @@ def test_a_start_refused_for_want_of_room_goes_to_the_next_orchestrator(target):
         stream = client.generate(prompt_token_ids=PROMPT, max_new_tokens=8, resume=True)
         assert tokens_of(stream) == hf_greedy(target.model, PROMPT, 8)
         assert stream.reconnects == 1
+
+
+def test_a_start_that_made_no_session_is_retried_as_a_start_and_never_cancelled(target):
+    """An orchestrator that reaches no verifier fails a resumable start with UNAVAILABLE and a trailer saying it left no
+    session: the client starts it again (not a resume, which would be NOT_FOUND) until ``reconnect_s`` runs out, then
+    raises and sends no Cancel. Before, it sent one, and the same id started within the next minute (the verifier back)
+    began cancelled and ended with no tokens."""
+    from redis_server import free_port
+
+    from specsplit.errors import NO_SESSION_KEY
+    from specsplit.launch import start_orchestrator, start_verifier
+
+    verifier_address = f"127.0.0.1:{free_port()}"  # nothing listens there yet
+    orchestrator = start_orchestrator(verifier_address, [], target.tokenizer)
+    try:
+        told = []
+        client = Client([orchestrator.address], reconnect_s=1.0, on_reconnect=told.append)
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.generate(prompt_token_ids=PROMPT, max_new_tokens=8, resume=True, session_id="retry-me"))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert (NO_SESSION_KEY, "1") in tuple(err.value.trailing_metadata())
+        assert told and all(r.code == grpc.StatusCode.UNAVAILABLE for r in told)  # every retry a start: no NOT_FOUND
+
+        verifier = start_verifier(target, address=verifier_address)
+        try:
+            stream = Client([orchestrator.address], reconnect_s=20).generate(
+                prompt_token_ids=PROMPT, max_new_tokens=8, resume=True, session_id="retry-me")
+            chunks = list(stream)
+            assert tokens_of(chunks) == hf_greedy(target.model, PROMPT, 8)
+            assert chunks[-1].finish_reason == "length"
+        finally:
+            verifier.stop(0)
+    finally:
+        orchestrator.stop(0)
+        orchestrator.core.close()
+
+
+def test_a_start_the_orchestrator_left_no_session_for_is_started_again_not_resumed():
+    """Failover's decision alone: the same UNAVAILABLE with and without the orchestrator's no-session trailer."""
+    from specsplit.errors import NO_SESSION_KEY
+    from specsplit.failover import Failover, start_moves
+    from specsplit.v1 import orchestrator_pb2
+
+    class Failed(grpc.RpcError):
+        def __init__(self, trailing=()):
+            self._trailing = trailing
+
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return "no verifier replica answered; retry later"
+
+        def trailing_metadata(self):
+            return self._trailing
+
+    start = orchestrator_pb2.GenerateRequest(prompt_token_ids=PROMPT, session_id="mine", resumable=True)
+    plain, marked = Failed(), Failed(((NO_SESSION_KEY, "1"),))
+    unsure = Failover(start, ["a:1", "b:1"], 10.0, None, resumable=True)
+    unsure.after(plain)
+    assert unsure.maybe_made and unsure.request.resume_session_id == "mine"  # it may exist: resumed, cancelled at the end
+    sure = Failover(start, ["a:1", "b:1"], 10.0, None, resumable=True)
+    sure.after(marked)
+    assert not sure.maybe_made and sure.request is start and sure.index == 1  # started again, on the next address
+    assert start_moves(marked, "mine") and not start_moves(plain, "mine")
