@@ -328,6 +328,10 @@ def serve(args) -> int:
     print(f"specsplit {args.service}{secure} serving on {server.address}", file=sys.stderr, flush=True)
     stop.wait()
     start = time.monotonic()
+    if args.announce_s > 0:
+        print(f"specsplit {args.service}: stopping: health NOT_SERVING; new calls still taken for {args.announce_s:g} s "
+              "(--announce-s)", file=sys.stderr, flush=True)
+        server.announce_stop(args.announce_s)
     print(f"specsplit {args.service}: stopping: no new calls (health NOT_SERVING); {calls_in_flight()} in flight get up "
           f"to {args.drain_s:g} s to finish (--drain-s), then are cut off", file=sys.stderr, flush=True)
     server.stop(grace=args.drain_s)

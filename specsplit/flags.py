@@ -338,6 +338,10 @@ def _listen_flag(parser: argparse.ArgumentParser, port: int) -> None:
                         help="on SIGTERM/SIGINT: health turns NOT_SERVING at once, calls in flight get this many "
                              "seconds to finish, then they are cancelled and the process exits 0 (default 5; a "
                              "resumable client resumes a cancelled generation on another orchestrator)")
+    parser.add_argument("--announce-s", type=_at_least(0.0, float), default=0.0,
+                        help="on SIGTERM/SIGINT: before the drain, health says NOT_SERVING for this many seconds while "
+                             "new calls are still taken, so that a load balancer or health probe sees it and stops "
+                             "sending any (a Kubernetes pre-stop delay); default 0: calls are refused at once")
     parser.add_argument("--listen", type=_address, default=_env("SPECSPLIT_LISTEN", f"127.0.0.1:{port}"),
                         help=f"HOST:PORT to bind (env SPECSPLIT_LISTEN; default 127.0.0.1:{port}; 0.0.0.0:{port} "
                              "for other machines; port 0: any free port, printed at start)")

@@ -8,6 +8,7 @@ import inspect
 import logging
 import socket
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -308,6 +309,12 @@ class Server:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ["", *self.names]:
             self.health.set(name, status)
+
+    def announce_stop(self, seconds: float) -> None:
+        """Health NOT_SERVING from now on, while calls are still taken for ``seconds`` (so that a load balancer or a
+        probe polling health sees it and sends no more before ``stop`` refuses them)."""
+        self.health.enter_graceful_shutdown()
+        time.sleep(seconds)
 
     def stop(self, grace: float = 5.0) -> None:
         self.health.enter_graceful_shutdown()

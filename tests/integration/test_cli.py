@@ -403,3 +403,30 @@ def test_ctrl_c_on_a_resumable_generate_cancels_its_session(model_dir, sig, code
             proc.terminate()
         for proc in procs:
             proc.wait(timeout=20)
+
+
+def test_announce_s_says_not_serving_while_calls_are_still_taken():
+    """SIGTERM with --announce-s: health turns NOT_SERVING at once, new calls are still answered for that long (a load
+    balancer polling health stops sending before any call is refused), then the drain, and exit 0."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from specsplit.rpc import RemoteDraft
+    from tiny import wait_for
+
+    proc, address = serve("draft", "--draft", "ngram", "--announce-s", "5", "--drain-s", "1")
+    try:
+        channel = grpc.insecure_channel(address)
+        health = health_pb2_grpc.HealthStub(channel)
+        status = lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=2).status  # noqa: E731
+        assert status() == health_pb2.HealthCheckResponse.SERVING
+        proc.send_signal(signal.SIGTERM)
+        assert wait_for(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert RemoteDraft(address).info(timeout=5).max_nodes > 0  # a new call, still answered
+        assert proc.poll() is None  # (still announcing)
+        channel.close()
+    finally:
+        proc.terminate()
+    assert proc.wait(timeout=60) == 0
+    proc.log_reader.join(timeout=10)
+    assert "health NOT_SERVING; new calls still taken for 5 s (--announce-s)" in "".join(proc.log)
