@@ -24,18 +24,16 @@ target model decoding alone.
   specsplit generate --orchestrator HOST:50051 "Hello"         # a client of that orchestrator
 """
 
-
-DRAFT_HELP = ("drafter: auto (a --draft-model if given; else the shipped eagle, medusa or half manifest for the "
-              "target whose <kind>+ngram measured fastest against n-gram lookup alone, if it beat it (SmolLM2: "
-              "half+ngram); else n-gram prompt lookup), ngram, model (needs "
-              "--draft-model), half (the target's own weights at the 16-bit precision measured fastest on the "
-              "draft's machine, see --draft-dtype: no training, agrees with the float32 target almost always, at "
-              "0.5-0.7 of its cost per token on the CPUs measured), half+ngram (half, plus spans of the session's "
-              "text that prompt lookup finds, verified without the draft while they keep being right: code "
-              "edits keep most of lookup's gains), eagle (EAGLE-style feature drafter; --draft-artifact or the shipped one), "
-              "eagle+ngram (its tree merged with the n-gram lookup's), medusa (the verifier's own Medusa heads, "
-              "no draft service; --medusa or the shipped ones), medusa+ngram, none (target only)")
-
+DRAFT_HELP = ("drafter: auto (a --draft-model if given; else the shipped eagle, medusa or half manifest for the target "
+              "whose <kind>+ngram measured fastest against n-gram lookup alone, if it beat it (SmolLM2: half+ngram); "
+              "else n-gram prompt lookup), ngram, model (needs --draft-model), half (the target's own weights at the "
+              "16-bit precision measured fastest on the draft's machine, see --draft-dtype: no training, agrees with "
+              "the float32 target almost always, at 0.5-0.7 of its cost per token on the CPUs measured), half+ngram "
+              "(half, plus spans of the session's text that prompt lookup finds, verified without the draft while they "
+              "keep being right: code edits keep most of lookup's gains), eagle (EAGLE-style feature drafter; "
+              "--draft-artifact or the shipped one), eagle+ngram (its tree merged with the n-gram lookup's), medusa "
+              "(the verifier's own Medusa heads, no draft service; --medusa or the shipped ones), medusa+ngram, none "
+              "(target only)")
 
 SERVE_DESCRIPTION = """\
 Run one service until SIGTERM/SIGINT. Every address also comes from SPECSPLIT_* variables; every server
@@ -338,10 +336,8 @@ def _listen_flag(parser: argparse.ArgumentParser, port: int) -> None:
                         help="on SIGTERM/SIGINT: health turns NOT_SERVING at once, calls in flight get this many "
                              "seconds to finish, then they are cancelled and the process exits 0 (default 5; a "
                              "resumable client resumes a cancelled generation on another orchestrator)")
-    parser.add_argument("--announce-s", type=_at_least(0.0, float), default=0.0,
-                        help="on SIGTERM/SIGINT: before the drain, health says NOT_SERVING for this many seconds while "
-                             "new calls are still taken, so that a load balancer or health probe sees it and stops "
-                             "sending any (a Kubernetes pre-stop delay); default 0: calls are refused at once")
+    parser.add_argument("--announce-s", type=_at_least(0.0, float), default=0.0, help="on SIGTERM/SIGINT: health says "
+                        "NOT_SERVING this long before the drain, calls still taken (a pre-stop delay; default 0)")
     parser.add_argument("--listen", type=_address, default=_env("SPECSPLIT_LISTEN", f"127.0.0.1:{port}"),
                         help=f"HOST:PORT to bind (env SPECSPLIT_LISTEN; default 127.0.0.1:{port}; 0.0.0.0:{port} "
                              "for other machines; port 0: any free port, printed at start)")
@@ -420,14 +416,13 @@ def _draft_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model drafts (draft service, or the embedded stack; --draft model, half or eagle)")
     group.add_argument("--draft-dtype", type=_draft_dtype, default=_env("SPECSPLIT_DRAFT_DTYPE"),
                        help="the draft model's dtype (--draft model or half): auto, float16, bfloat16, float32 (or "
-                            "fp16, bf16, fp32), int8, int4. Default for half: whichever of float16, "
-                            "bfloat16, float32 and (on a CPU) int8 and int4 weights runs a draft step fastest on this "
-                            "machine, timed at start (int8: one scale per weight row, ~2%% fewer tokens agreeing; int4: "
-                            "groups of 32, the head's best ids scored exactly, ~0.5%% fewer; quantized ones must be "
-                            "clearly faster to be kept; prompts "
-                            "and copied spans likewise go through the fastest dtype for many-token forwards; -v logs "
-                            "the timings); for model: --dtype. Any dtype keeps the output exact: the target verifies "
-                            "in --dtype")
+                            "fp16, bf16, fp32), int8, int4. Default for half: whichever of float16, bfloat16, float32 "
+                            "and (on a CPU) int8 and int4 weights runs a draft step fastest on this machine, timed at "
+                            "start (int8: one scale per weight row, ~2%% fewer tokens agreeing; int4: groups of 32, "
+                            "the head's best ids scored exactly, ~0.5%% fewer; quantized ones must be clearly faster "
+                            "to be kept; prompts and copied spans likewise go through the fastest dtype for many-token "
+                            "forwards; -v logs the timings); for model: --dtype. Any dtype keeps the output exact: the "
+                            "target verifies in --dtype")
     group.add_argument("--draft-threads", type=_at_least(0), default=_env("SPECSPLIT_DRAFT_THREADS", "0"),
                        help="torch CPU threads of the draft's forwards (default 0: as --threads; 1 for the draft "
                             "process the embedded generate starts for a half or model draft, leaving the other "
