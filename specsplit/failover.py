@@ -39,7 +39,7 @@ def never_reached(err: grpc.RpcError) -> bool:
         "Connection refused", "DNS resolution failed", "errors resolving", "failed to connect to all"))
 
 
-def made_no_session(err: grpc.RpcError) -> bool:
+def told_no_session(err: grpc.RpcError) -> bool:
     """The orchestrator says this failed call left no session under its id (``specsplit.errors.NO_SESSION_KEY``)."""
     trailing = err.trailing_metadata() if callable(getattr(err, "trailing_metadata", None)) else None
     return any(key == NO_SESSION_KEY for key, _ in (trailing or ()))
@@ -51,7 +51,7 @@ def start_moves(err: grpc.RpcError, session_id: str) -> bool:
     the session, so a caller-chosen ``session_id`` would then be refused elsewhere as taken (the first error is the
     truer one)."""
     code = err.code()
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED or never_reached(err) or made_no_session(err):
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED or never_reached(err) or told_no_session(err):
         return True
     return code in RESUMABLE_CODES and not session_id
 
@@ -115,7 +115,7 @@ class Failover:
         code = err.code()
         resuming = self.request is not self.first
         # (A start the orchestrator says it left no session for made none, whatever came back before its error.)
-        none_made = not resuming and made_no_session(err)
+        none_made = not resuming and told_no_session(err)
         self.maybe_made = not none_made and (self.maybe_made or not refused_start(err, resuming))
         never_stored = code == grpc.StatusCode.NOT_FOUND and not self.started and resuming
         # A resume that lost the race to claim the session (its old orchestrator still committed a round, or another
