@@ -201,7 +201,9 @@ class GoodputThreshold:
         against 1.15x with this rule. On a Zen 5 EPYC, float16 draft step 14 ms, two runs each at RTT 0 / 50 / 100 ms:
         verifying kept provisional tokens at once whatever their number ran 0.94x / 0.99x / 0.98x of this rule, at
         one node short of ``pipeline_nodes`` 0.99x / 1.00x / 1.01x; the α rule for pipelined trees too (one run)
-        ~0.9-0.96x. Nothing beyond noise: the pipelined rounds run at the draft's pace whichever way.)"""
+        ~0.9-0.96x. On a Zen 4 EPYC, pipelined trees grown to twice ``pipeline_nodes``, four runs taking turns at RTT
+        20 / 50 ms: 0.96x, 1.01x / 0.92x, 0.97x of fixed-16 against 1.00x, 1.03x / 1.02x, 1.00x for this rule. Nothing
+        beyond noise: the pipelined rounds run at the draft's pace whichever way.)"""
         if self.pipelined >= PIPELINE_MIN_SHARE:
             size = self.pipeline_nodes()
             if fresh:
