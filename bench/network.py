@@ -218,7 +218,9 @@ def drive(args) -> None:
     del target
 
     verifiers = json.loads(args.verifier_for_rtt)
-    busy_pids = json.loads(args.busy_pids)  # {"draft": pid, "ngram": pid, "verifier": pid}: whose CPU time runs record
+    # {"draft": pid, "ngram": pid, "verifier": pid, "relay-<rtt>": pid}: whose CPU time runs record; the orchestrator
+    # is this process (its gRPC threads included)
+    busy_pids = json.loads(args.busy_pids)
     warm_ids = ids_of({"prompt": WARMUP_PROMPT})
     results = []
     for rtt in args.rtts:
@@ -252,7 +254,8 @@ def drive(args) -> None:
                 if args.warm_caches:  # untimed: the prompt's K/V cached on the verifier and the draft, by an
                     for _ in warmers[name].generate(replace(request, max_new_tokens=2)):  # orchestrator of its own
                         pass                                  # (the configuration's trigger learns nothing from it)
-                pids = {"draft": busy_pids["ngram" if name == "ngram" else "draft"], "verifier": busy_pids["verifier"]}
+                pids = {"draft": busy_pids["ngram" if name == "ngram" else "draft"], "verifier": busy_pids["verifier"],
+                        "orchestrator": os.getpid(), "relay": busy_pids[f"relay-{rtt}"]}
                 cpu_before = procstat.read(pids)
                 start = time.perf_counter()
                 chunks, at = [], []  # at: ms since the start when each chunk arrived
@@ -294,7 +297,8 @@ def drive(args) -> None:
                   f"verif/100 {row['verifications_per_100']:5.1f}  wasted {row['wasted']:4d}  "
                   f"kept {row['provisional_kept']:3d}  target-only rounds {row['target_only_rounds']}  "
                   f"burst tokens {row['decoded']}  "
-                  f"identical {row['identical']}", flush=True)
+                  f"identical {row['identical']}  busy "
+                  + " ".join(f"{k} {v:.0%}" for k, v in sorted(row["busy"].items())), flush=True)
     pathlib.Path(args.driver_out).write_text(json.dumps(results))
 
 
@@ -392,10 +396,10 @@ def main(argv=None) -> int:
         verifier = hosts.start(CLOUD_NS, "verifier", serve + [
             "verifier", "--listen", f"{hosts.cloud_ip}:{VERIFIER_PORT}", "--max-batch", "1", *model_args, *common,
             *cold_verifier], "serving on")
-        verifiers = {}
+        verifiers, relays = {}, {}
         for i, rtt in enumerate(args.rtts):
             port = RELAY_PORT0 + i
-            hosts.start(CLOUD_NS, f"relay-{rtt}", [py, str(HERE / "relay.py"), "--listen", f"{hosts.cloud_ip}:{port}",
+            relays[f"relay-{rtt}"] = hosts.start(CLOUD_NS, f"relay-{rtt}", [py, str(HERE / "relay.py"), "--listen", f"{hosts.cloud_ip}:{port}",
                                                    "--upstream", f"{hosts.cloud_ip}:{VERIFIER_PORT}",
                                                    "--rtt-ms", str(rtt)], "relay ")
             verifiers[str(rtt)] = f"{hosts.cloud_ip}:{port}"
@@ -414,7 +418,8 @@ def main(argv=None) -> int:
         cmd = hosts.prefix(EDGE_NS) + [
             py, str(HERE / "network.py"), "--driver", "--driver-out", str(driver_out),
             "--verifier-for-rtt", json.dumps(verifiers), "--draft", f"{hosts.edge_ip}:{DRAFT_PORT}",
-            "--busy-pids", json.dumps({"draft": draft.pid, "ngram": ngram.pid, "verifier": verifier.pid}),
+            "--busy-pids", json.dumps({"draft": draft.pid, "ngram": ngram.pid, "verifier": verifier.pid,
+                                       **{k: r.pid for k, r in relays.items()}}),
             "--ngram", f"{hosts.edge_ip}:{NGRAM_PORT}", "--rtts", ",".join(map(str, args.rtts)),
             "--prompts", args.prompts, "--code-prompt", args.code_prompt, "--max-new-tokens", str(args.max_new_tokens),
             "--configs", ",".join(args.config_list), "--provisional-max", str(args.provisional_max),
