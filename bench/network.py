@@ -255,7 +255,7 @@ def drive(args) -> None:
                     for _ in warmers[name].generate(replace(request, max_new_tokens=2)):  # orchestrator of its own
                         pass                                  # (the configuration's trigger learns nothing from it)
                 pids = {"draft": busy_pids["ngram" if name == "ngram" else "draft"], "verifier": busy_pids["verifier"],
-                        "orchestrator": os.getpid(), "relay": busy_pids[f"relay-{rtt}"]}
+                        "orchestrator": os.getpid(), "relay": busy_pids.get(f"relay-{rtt}")}  # (None: not read)
                 cpu_before = procstat.read(pids)
                 start = time.perf_counter()
                 chunks, at = [], []  # at: ms since the start when each chunk arrived
@@ -298,7 +298,7 @@ def drive(args) -> None:
                   f"kept {row['provisional_kept']:3d}  target-only rounds {row['target_only_rounds']}  "
                   f"burst tokens {row['decoded']}  "
                   f"identical {row['identical']}  busy "
-                  + " ".join(f"{k} {v:.0%}" for k, v in sorted(row["busy"].items())), flush=True)
+                  + (" ".join(f"{k} {v:.0%}" for k, v in sorted(row["busy"].items())) or "-"), flush=True)
     pathlib.Path(args.driver_out).write_text(json.dumps(results))
 
 
@@ -399,9 +399,10 @@ def main(argv=None) -> int:
         verifiers, relays = {}, {}
         for i, rtt in enumerate(args.rtts):
             port = RELAY_PORT0 + i
-            relays[f"relay-{rtt}"] = hosts.start(CLOUD_NS, f"relay-{rtt}", [py, str(HERE / "relay.py"), "--listen", f"{hosts.cloud_ip}:{port}",
-                                                   "--upstream", f"{hosts.cloud_ip}:{VERIFIER_PORT}",
-                                                   "--rtt-ms", str(rtt)], "relay ")
+            relays[f"relay-{rtt}"] = hosts.start(
+                CLOUD_NS, f"relay-{rtt}", [py, str(HERE / "relay.py"), "--listen", f"{hosts.cloud_ip}:{port}",
+                                           "--upstream", f"{hosts.cloud_ip}:{VERIFIER_PORT}", "--rtt-ms", str(rtt)],
+                "relay ")
             verifiers[str(rtt)] = f"{hosts.cloud_ip}:{port}"
         half_dtype = ["--draft-dtype", args.draft_dtype] if args.draft_dtype else []
         drafter = {"model": ["--draft", "model", "--draft-model", draft_model], "half": ["--draft", "half", *model_args, *half_dtype],

@@ -204,8 +204,9 @@ class GoodputThreshold:
         ~0.9-0.96x. On a Zen 4 EPYC, pipelined trees grown to twice ``pipeline_nodes``, four runs taking turns at RTT
         20 / 50 ms: 0.96x, 1.01x / 0.92x, 0.97x of fixed-16 against 1.00x, 1.03x / 1.02x, 1.00x for this rule; at RTT 0,
         1.5x ``pipeline_nodes`` 1.01x, 0.96x and 2.5x without ``_waiting_pays`` 1.00x, 0.97x against 0.89x-1.04x for this
-        rule over six runs. Nothing beyond noise: the pipelined rounds run at the draft's pace whichever way, a chat
-        answer taking the same time with 4 or 18 rounds; README "Why no rule beats a fixed size with this draft".)"""
+        rule over six runs. Nothing beyond noise: the pipelined rounds run at the draft's pace whichever way (in one run
+        at RTT 0 a chat answer took the same time with 4 or 18 rounds; README "Why no rule beats a fixed size with this
+        draft").)"""
         if self.pipelined >= PIPELINE_MIN_SHARE:
             size = self.pipeline_nodes()
             if fresh:
