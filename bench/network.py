@@ -218,9 +218,7 @@ def drive(args) -> None:
     del target
 
     verifiers = json.loads(args.verifier_for_rtt)
-    # {"draft": pid, "ngram": pid, "verifier": pid, "relay-<rtt>": pid}: whose CPU time runs record; the orchestrator
-    # is this process (its gRPC threads included)
-    busy_pids = json.loads(args.busy_pids)
+    busy_pids = json.loads(args.busy_pids)  # {"draft"/"ngram"/"verifier"/"relay-<rtt>": pid}; orchestrator: this one
     warm_ids = ids_of({"prompt": WARMUP_PROMPT})
     results = []
     for rtt in args.rtts:
@@ -293,11 +291,9 @@ def drive(args) -> None:
             results.append(row)
             print(f"RTT {rtt:>3} ms  {name:<14} {row['tokens_per_s']:6.2f} tok/s  first tokens "
                   f"{row['first_token_ms']:4.0f} ms  after them {row['decode_tokens_per_s']:6.2f} tok/s  "
-                  f"tau {row['tau']:5.2f}  "
-                  f"verif/100 {row['verifications_per_100']:5.1f}  wasted {row['wasted']:4d}  "
+                  f"tau {row['tau']:5.2f}  verif/100 {row['verifications_per_100']:5.1f}  wasted {row['wasted']:4d}  "
                   f"kept {row['provisional_kept']:3d}  target-only rounds {row['target_only_rounds']}  "
-                  f"burst tokens {row['decoded']}  "
-                  f"identical {row['identical']}  busy "
+                  f"burst tokens {row['decoded']}  identical {row['identical']}  busy "
                   + (" ".join(f"{k} {v:.0%}" for k, v in sorted(row["busy"].items())) or "-"), flush=True)
     pathlib.Path(args.driver_out).write_text(json.dumps(results))
 
@@ -396,13 +392,12 @@ def main(argv=None) -> int:
         verifier = hosts.start(CLOUD_NS, "verifier", serve + [
             "verifier", "--listen", f"{hosts.cloud_ip}:{VERIFIER_PORT}", "--max-batch", "1", *model_args, *common,
             *cold_verifier], "serving on")
-        verifiers, relays = {}, {}
+        verifiers, relays = {}, {}  # relays: {"relay-<rtt>": pid}
         for i, rtt in enumerate(args.rtts):
             port = RELAY_PORT0 + i
-            relays[f"relay-{rtt}"] = hosts.start(
-                CLOUD_NS, f"relay-{rtt}", [py, str(HERE / "relay.py"), "--listen", f"{hosts.cloud_ip}:{port}",
-                                           "--upstream", f"{hosts.cloud_ip}:{VERIFIER_PORT}", "--rtt-ms", str(rtt)],
-                "relay ")
+            relays[f"relay-{rtt}"] = hosts.start(CLOUD_NS, f"relay-{rtt}", [
+                py, str(HERE / "relay.py"), "--listen", f"{hosts.cloud_ip}:{port}", "--upstream",
+                f"{hosts.cloud_ip}:{VERIFIER_PORT}", "--rtt-ms", str(rtt)], "relay ").pid
             verifiers[str(rtt)] = f"{hosts.cloud_ip}:{port}"
         half_dtype = ["--draft-dtype", args.draft_dtype] if args.draft_dtype else []
         drafter = {"model": ["--draft", "model", "--draft-model", draft_model], "half": ["--draft", "half", *model_args, *half_dtype],
@@ -419,8 +414,7 @@ def main(argv=None) -> int:
         cmd = hosts.prefix(EDGE_NS) + [
             py, str(HERE / "network.py"), "--driver", "--driver-out", str(driver_out),
             "--verifier-for-rtt", json.dumps(verifiers), "--draft", f"{hosts.edge_ip}:{DRAFT_PORT}",
-            "--busy-pids", json.dumps({"draft": draft.pid, "ngram": ngram.pid, "verifier": verifier.pid,
-                                       **{k: r.pid for k, r in relays.items()}}),
+            "--busy-pids", json.dumps({**relays, "draft": draft.pid, "ngram": ngram.pid, "verifier": verifier.pid}),
             "--ngram", f"{hosts.edge_ip}:{NGRAM_PORT}", "--rtts", ",".join(map(str, args.rtts)),
             "--prompts", args.prompts, "--code-prompt", args.code_prompt, "--max-new-tokens", str(args.max_new_tokens),
             "--configs", ",".join(args.config_list), "--provisional-max", str(args.provisional_max),
