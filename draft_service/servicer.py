@@ -18,6 +18,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.model_name = model_name
         self.sweeper = IdleSweeper(drafter.end, idle_timeout_s)  # sessions whose orchestrator vanished
 
+    def close(self) -> None:
+        self.sweeper.close()
+
     @grpc_errors
     def GetInfo(self, request, context):
         return draft_pb2.DraftInfoResponse(

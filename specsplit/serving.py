@@ -273,8 +273,10 @@ class Server:
         takes (larger: RESOURCE_EXHAUSTED before any of it is parsed)."""
         self.core = None  # the domain object behind the servicer, for in-process owners (tests, embedding)
         options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
+        self._executor = futures.ThreadPoolExecutor(max_workers=max_workers)
+        self._servicers = [servicer for servicer, _, _ in services]
         self.grpc_server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers),
+            self._executor,
             interceptors=server_interceptors(),
             options=[*options, ("grpc.max_receive_message_length", max_receive_bytes)],
         )
@@ -317,8 +319,15 @@ class Server:
         time.sleep(seconds)
 
     def stop(self, grace: float = 5.0) -> None:
+        """Drain for up to ``grace`` seconds, then end the servicers' own threads (their idle sweeps) and the worker
+        pool: a stopped server holds no thread, and through none of them its engine and its caches."""
         self.health.enter_graceful_shutdown()
         self.grpc_server.stop(grace).wait()
+        for servicer in self._servicers:
+            close = getattr(servicer, "close", None)
+            if close is not None:
+                close()
+        self._executor.shutdown(wait=False)
 
     def wait(self) -> None:
         self.grpc_server.wait_for_termination()

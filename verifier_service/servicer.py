@@ -19,6 +19,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServiceServicer):
         # Sessions whose orchestrator vanished (killed mid-generation) are freed after idle_timeout_s.
         self.sweeper = IdleSweeper(engine.release, engine.config.idle_timeout_s)
 
+    def close(self) -> None:
+        self.sweeper.close()
+
     @grpc_errors
     def GetInfo(self, request, context):
         e = self.engine
