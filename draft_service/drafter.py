@@ -18,12 +18,13 @@ from specsplit.tree import TokenTree
 
 tracer = trace.get_tracer(__name__)
 END_WAIT_S = 2.0  # an ended session's last round that holds it longer leaves its state unreusable
+TURN_WAIT_S = 5.0  # a round that reached its session before the round sent ahead of it waits this long for it
 
 
 @dataclass
 class DraftSession:
     token_ids: list[int]  # committed tokens: prompt + generated
-    lock: threading.Lock
+    lock: threading.Condition  # held by the running round; notified when a round has added its committed tokens
     stop_token_ids: tuple[int, ...] = ()  # the target's EOS ids: a grown branch ends at one
 
 
@@ -54,7 +55,7 @@ class Drafter:
             )
         sampling = sampling or SamplingParams()
         sampling.check_seeded()
-        self._sessions[session_id] = DraftSession(list(prompt_token_ids), threading.Lock(), tuple(stop_token_ids))
+        self._sessions[session_id] = DraftSession(list(prompt_token_ids), threading.Condition(threading.Lock()), tuple(stop_token_ids))
         self.proposer.start(session_id, list(prompt_token_ids), sampling)
 
     def propose(self, session_id: str, new_token_ids: list[int], committed_length: int, max_nodes: int,
@@ -112,13 +113,20 @@ class Drafter:
 
     @staticmethod
     def _extend(session_id: str, session: DraftSession, new_token_ids: list[int], committed_length: int) -> None:
-        if len(session.token_ids) + len(new_token_ids) != committed_length:
+        """Add a round's newly committed tokens (``session.lock`` held), in the order the orchestrator sent the rounds:
+        each call runs on its own handler thread and the lock is not first come first served, so a round can reach
+        the session before the one sent ahead of it (seen on a cold draft: a round waiting out a long first forward
+        with the next one). It then waits, up to TURN_WAIT_S, until the session holds what the round builds on."""
+        before = committed_length - len(new_token_ids)
+        session.lock.wait_for(lambda: len(session.token_ids) >= before, TURN_WAIT_S)
+        if len(session.token_ids) != before:
             raise FailedPrecondition(
                 f"draft session {session_id!r} has {len(session.token_ids)} committed tokens; "
                 f"{len(new_token_ids)} new ones make {len(session.token_ids) + len(new_token_ids)}, "
                 f"not the {committed_length} the request says"
             )
         session.token_ids.extend(new_token_ids)
+        session.lock.notify_all()
 
     def num_sessions(self) -> int:
         return len(self._sessions)
@@ -137,7 +145,7 @@ class Drafter:
             threading.Thread(target=_set_when_free, args=(session.lock, idle), daemon=True, name="draft-end").start()
 
 
-def _set_when_free(lock: threading.Lock, idle: threading.Event) -> None:
+def _set_when_free(lock: threading.Condition, idle: threading.Event) -> None:
     if lock.acquire(timeout=END_WAIT_S):
         idle.set()
         lock.release()

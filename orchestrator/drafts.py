@@ -362,8 +362,10 @@ class DraftMixin:
 
     def _draft_failed(self, session: LiveSession, err) -> None:
         code = err.code() if hasattr(err, "code") else err
-        log.warning("draft %s failed for session %s (%s); target-only decoding for %d rounds",
-                    session.draft.address, session.id, code, self.config.draft_retry_rounds)
+        details = err.details() if hasattr(err, "details") else ""
+        log.warning("draft %s failed for session %s (%s%s); target-only decoding for %d rounds",
+                    session.draft.address, session.id, code, f": {details}" if details else "",
+                    self.config.draft_retry_rounds)
         trace.get_current_span().add_event("specsplit.draft_fallback", {"rpc.grpc.status_code": code.value[0]})
         session.state.draft_down_until = session.state.round + self.config.draft_retry_rounds
 
