@@ -55,7 +55,8 @@ class Drafter:
             )
         sampling = sampling or SamplingParams()
         sampling.check_seeded()
-        self._sessions[session_id] = DraftSession(list(prompt_token_ids), threading.Condition(threading.Lock()), tuple(stop_token_ids))
+        self._sessions[session_id] = DraftSession(list(prompt_token_ids), threading.Condition(threading.Lock()),
+                                                  tuple(stop_token_ids))
         self.proposer.start(session_id, list(prompt_token_ids), sampling)
 
     def propose(self, session_id: str, new_token_ids: list[int], committed_length: int, max_nodes: int,
@@ -115,8 +116,8 @@ class Drafter:
     def _extend(session_id: str, session: DraftSession, new_token_ids: list[int], committed_length: int) -> None:
         """Add a round's newly committed tokens (``session.lock`` held), in the order the orchestrator sent the rounds:
         each call runs on its own handler thread and the lock is not first come first served, so a round can reach
-        the session before the one sent ahead of it (seen on a cold draft: a round waiting out a long first forward
-        with the next one). It then waits, up to TURN_WAIT_S, until the session holds what the round builds on."""
+        the session before the one sent ahead of it (both waiting out a long forward of the round before them, as a
+        cold draft's first is). It then waits, up to TURN_WAIT_S, until the session holds what the round builds on."""
         before = committed_length - len(new_token_ids)
         session.lock.wait_for(lambda: len(session.token_ids) >= before, TURN_WAIT_S)
         if len(session.token_ids) != before:
