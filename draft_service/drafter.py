@@ -5,7 +5,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
@@ -24,8 +25,24 @@ TURN_WAIT_S = 5.0  # a round that reached its session before the round sent ahea
 @dataclass
 class DraftSession:
     token_ids: list[int]  # committed tokens: prompt + generated
-    lock: threading.Condition  # held by the running round; notified when a round has added its committed tokens
+    lock: threading.Condition  # held by the running round; notified when a round adds its tokens or ends
     stop_token_ids: tuple[int, ...] = ()  # the target's EOS ids: a grown branch ends at one
+    rounds: int = 0  # rounds that reached the session and have not ended (under ``_count``)
+    _count: threading.Lock = field(default_factory=threading.Lock)
+
+    @contextmanager
+    def turn(self):
+        """One round's hold on the session: its lock, the round counted while it waits and runs."""
+        with self._count:
+            self.rounds += 1
+        try:
+            with self.lock:
+                yield
+        finally:
+            with self._count:
+                self.rounds -= 1
+            with self.lock:
+                self.lock.notify_all()  # a round waiting for the tokens of this one gives up once no other is left
 
 
 class Drafter:
@@ -63,7 +80,7 @@ class Drafter:
                 features: list[Features] = ()) -> tuple[TokenTree, float]:
         """features: the target's features the verifier returned since the previous call (feature drafters)."""
         session = self._session(session_id)
-        with session.lock:
+        with session.turn():
             self._extend(session_id, session, new_token_ids, committed_length)
             start = time.perf_counter()
             with tracer.start_as_current_span("specsplit.draft.propose") as span:
@@ -78,7 +95,7 @@ class Drafter:
         """A DraftTree round: the proposer's growth steps (a proposer without ``grow``: its tree, in one step).
         features: as for ``propose``."""
         session = self._session(session_id)
-        with session.lock:  # the next round of this session waits until this one has finished its forward
+        with session.turn():  # the next round of this session waits until this one has finished its forward
             self._extend(session_id, session, new_token_ids, committed_length)
             budget = min(max_nodes, self.max_nodes)
             with tracer.start_as_current_span("specsplit.draft.grow") as span:
@@ -117,9 +134,10 @@ class Drafter:
         """Add a round's newly committed tokens (``session.lock`` held), in the order the orchestrator sent the rounds:
         each call runs on its own handler thread and the lock is not first come first served, so a round can reach
         the session before the one sent ahead of it (both waiting out a long forward of the round before them, as a
-        cold draft's first is). It then waits, up to TURN_WAIT_S, until the session holds what the round builds on."""
+        cold draft's first is). It then waits, up to TURN_WAIT_S, until the session holds what the round builds on,
+        while another round of the session is on its way (with none, the request is wrong: it fails at once)."""
         before = committed_length - len(new_token_ids)
-        session.lock.wait_for(lambda: len(session.token_ids) >= before, TURN_WAIT_S)
+        session.lock.wait_for(lambda: len(session.token_ids) >= before or session.rounds < 2, TURN_WAIT_S)
         if len(session.token_ids) != before:
             raise FailedPrecondition(
                 f"draft session {session_id!r} has {len(session.token_ids)} committed tokens; "
