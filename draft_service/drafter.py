@@ -25,8 +25,9 @@ TURN_WAIT_S = 5.0  # a round that reached its session before the round sent ahea
 @dataclass
 class DraftSession:
     token_ids: list[int]  # committed tokens: prompt + generated
-    lock: threading.Condition  # held by the running round; notified when a round adds its tokens or ends
     stop_token_ids: tuple[int, ...] = ()  # the target's EOS ids: a grown branch ends at one
+    # held by the running round; notified when a round adds its tokens or ends
+    lock: threading.Condition = field(default_factory=lambda: threading.Condition(threading.Lock()))
     rounds: int = 0  # rounds that reached the session and have not ended (under ``_count``)
     _count: threading.Lock = field(default_factory=threading.Lock)
 
@@ -72,8 +73,7 @@ class Drafter:
             )
         sampling = sampling or SamplingParams()
         sampling.check_seeded()
-        self._sessions[session_id] = DraftSession(list(prompt_token_ids), threading.Condition(threading.Lock()),
-                                                  tuple(stop_token_ids))
+        self._sessions[session_id] = DraftSession(list(prompt_token_ids), tuple(stop_token_ids))
         self.proposer.start(session_id, list(prompt_token_ids), sampling)
 
     def propose(self, session_id: str, new_token_ids: list[int], committed_length: int, max_nodes: int,
