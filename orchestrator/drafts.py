@@ -3,7 +3,9 @@
 A mixin of ``orchestrator.generation.Orchestrator`` (it uses ``self.drafts``, ``self._draft_info``,
 ``self._learned``, ``self.config`` and ``self.verifier_info``). A failed draft never fails a generation:
 the session runs target-only for ``draft_retry_rounds`` rounds, then tries the draft again (or its
-twin, the next configured draft of the same kind).
+twin, the next configured draft of the same kind). A draft that answers but has lost the session or is out of
+step with it (NOT_FOUND: restarted, or its idle sweep ended the session; FAILED_PRECONDITION) is started again
+from all committed tokens at the next round instead, once in ``draft_retry_rounds`` rounds.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
-from orchestrator.placement import traced_thread
+from orchestrator.placement import OUT_OF_STEP, traced_thread
 from orchestrator.session import LiveSession
 from orchestrator.trigger import RoundOutcome, leaves_stub, make_trigger, tree_confidence
 from specsplit.errors import FailedPrecondition, InvalidArgument, Unavailable
@@ -100,7 +102,9 @@ class DraftMixin:
         info = self._draft_info_of(session.draft) if session.draft is not None else None
         return info.drafter if info else "none"
 
-    def _start_draft(self, session: LiveSession) -> None:
+    def _start_draft(self, session: LiveSession, first: bool = True) -> None:
+        """StartSession with all committed tokens. A refusal (another tokenizer or target) fails a new generation; a
+        restarted draft that now refuses it mid-generation is a failed draft."""
         try:
             session.draft.start(session.id, session.token_ids, self.verifier_info.tokenizer_fingerprint,
                                 timeout=self.config.draft_timeout_s, sampling=session.sampling,
@@ -109,7 +113,7 @@ class DraftMixin:
             session.unsent = []  # (features held for the draft stay: a fresh draft session starts its cache at them)
             session.state.draft_down_until = 0
         except RpcError as err:
-            if _is_refusal(err):
+            if first and _is_refusal(err):
                 raise FailedPrecondition(f"draft service {session.draft.address} refused the session: {err.details()}") from None
             self._draft_failed(session, err)
 
@@ -361,13 +365,22 @@ class DraftMixin:
         return same[(same.index(draft) + 1) % len(same)]
 
     def _draft_failed(self, session: LiveSession, err) -> None:
+        """Run target-only for ``draft_retry_rounds`` rounds, then start the draft again; one that answered but lost
+        the session or is out of step with it (``OUT_OF_STEP``) is started again at the next round, unless that was
+        done less than ``draft_retry_rounds`` rounds ago (a draft failing so every round is paused like any other)."""
         code = err.code() if hasattr(err, "code") else err
         details = err.details() if hasattr(err, "details") else ""
-        log.warning("draft %s failed for session %s (%s%s); target-only decoding for %d rounds",
-                    session.draft.address, session.id, code, f": {details}" if details else "",
-                    self.config.draft_retry_rounds)
-        trace.get_current_span().add_event("specsplit.draft_fallback", {"rpc.grpc.status_code": code.value[0]})
-        session.state.draft_down_until = session.state.round + self.config.draft_retry_rounds
+        state = session.state
+        at_once = code in OUT_OF_STEP and state.round - session.restarted_at >= self.config.draft_retry_rounds
+        pause = 1 if at_once else self.config.draft_retry_rounds
+        log.warning("draft %s failed for session %s (%s%s); %s", session.draft.address, session.id, code,
+                    f": {details}" if details else "",
+                    "it is started again next round" if at_once else f"target-only decoding for {pause} rounds")
+        trace.get_current_span().add_event("specsplit.draft_fallback", {"rpc.grpc.status_code": code.value[0],
+                                                                        "specsplit.draft_pause_rounds": pause})
+        if at_once:
+            session.restarted_at = state.round
+        state.draft_down_until = state.round + pause
 
     def _restart_draft(self, session: LiveSession) -> None:
         """The draft failed earlier and its pause is over: start the session again (the service may have restarted:
@@ -377,7 +390,7 @@ class DraftMixin:
         session.draft = self._draft_replica_after(failed)
         if session.draft is not failed:
             self._end_in_background(failed, session.id)
-        self._start_draft(session)
+        self._start_draft(session, first=False)
 
     def _end_draft(self, session: LiveSession) -> None:
         if session.draft is None:
@@ -408,9 +421,8 @@ def _draft_seeded(steps, token_ids) -> bool:
 
 
 def _is_refusal(err) -> bool:
-    import grpc
+    return hasattr(err, "code") and err.code() in (StatusCode.FAILED_PRECONDITION, StatusCode.INVALID_ARGUMENT)
 
-    return hasattr(err, "code") and err.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
 
 
 @dataclass

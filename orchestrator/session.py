@@ -47,6 +47,7 @@ class LiveSession:
     lookup: SpanLookup | None = None  # prompt lookup for rounds without the draft model (a draft that copies spans)
     since_copy: int = 1 << 30  # rounds since the last one that verified a copied span
     behind: int = 0  # committed tokens of rounds without the draft since its last round (it catches up on them first)
+    restarted_at: int = -(1 << 30)  # the round whose draft failure restarted the draft at once (drafts._draft_failed)
     copy_hits: float = 1.0  # decayed share of looked-up span tokens that were right (specsplit.lookup.span_hits)
     opened: object | None = None  # a new session's first round, opened before the verifier's prefill (drafts.RoundStart)
     prefill: object | None = None  # a new session's prefill still running in its own thread (placement.PrefillInFlight)

@@ -50,6 +50,53 @@ def test_slow_draft_falls_back_and_output_is_unchanged(target):
         assert wait_for(lambda: stack.draft_sessions() == 0)  # and the slow draft was told the session ended
 
 
+def test_a_draft_that_lost_the_session_is_started_again_next_round(target):
+    """The draft service loses the session mid-generation (restarted, or its idle sweep ended it): its next round
+    answers NOT_FOUND, and the orchestrator starts the session on it again at the next round, from all committed
+    tokens, instead of decoding target-only for ``draft_retry_rounds`` (32) rounds. The output does not change."""
+    config = OrchestratorConfig(trigger="fixed", fixed_tree_nodes=4)  # every round drafts (the target as its draft)
+    with start_stack(target, [ModelProposer(target, DraftConfig())], orchestrator_config=config) as stack:
+        drafter = stack.drafts[0].core
+        session_of, calls, lost = drafter._session, [], []
+
+        def forgetful(session_id):  # the fault: before the draft's 3rd round, the service forgets the session
+            calls.append(session_id)
+            if len(calls) == 3:
+                drafter.end(session_id)
+                lost.append(session_id)
+            return session_of(session_id)
+
+        drafter._session = forgetful
+        chunks = list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=60))
+        assert tokens_of(chunks) == hf_greedy(target.model, PROMPT, 60)
+        assert lost
+        rounds = [c.stats for c in chunks if c.stats]
+        without = [r.round for r in rounds if r.num_draft_tokens == 0]
+        assert len(rounds) >= 6 and len(without) == 1, [(r.round, r.num_draft_tokens) for r in rounds]
+        assert without[0] < rounds[-1].round  # the draft drafted again after the round that lost it
+
+
+def test_a_draft_that_keeps_losing_the_session_is_paused_after_one_restart(target, caplog):
+    """A draft that loses the session every round (a fault that a restart does not cure) is started again at once only
+    once in ``draft_retry_rounds`` rounds: a restart that fails again pauses it like any failed draft."""
+    config = OrchestratorConfig(trigger="fixed", fixed_tree_nodes=4, draft_retry_rounds=3)
+    with start_stack(target, [ModelProposer(target, DraftConfig())], orchestrator_config=config) as stack:
+        drafter = stack.drafts[0].core
+        session_of = drafter._session
+
+        def forgetful(session_id):
+            drafter.end(session_id)
+            return session_of(session_id)
+
+        drafter._session = forgetful
+        with caplog.at_level("WARNING", logger="orchestrator.generation"):
+            chunks = list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=60))
+        assert tokens_of(chunks) == hf_greedy(target.model, PROMPT, 60)
+    said = ["again" if "started again next round" in r.message else "pause" for r in caplog.records
+            if "failed for session" in r.message]
+    assert said[:3] == ["again", "pause", "again"] and "again, again" not in ", ".join(said), said
+
+
 def test_client_cancel_releases_sessions(target):
     with start_stack(target, [NgramProposer(DraftConfig())]) as stack:
         stream = Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=200)
