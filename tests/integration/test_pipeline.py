@@ -14,6 +14,7 @@ from orchestrator import drafts
 from orchestrator.trigger import make_trigger
 from specsplit.client import AsyncClient, Client
 from specsplit.config import DraftConfig, OrchestratorConfig, VerifierConfig
+from specsplit.errors import FailedPrecondition
 from specsplit.launch import start_stack
 from tiny import hf_greedy, tiny_loaded, wait_for
 
@@ -95,6 +96,30 @@ def test_a_draft_that_keeps_losing_the_session_is_paused_after_one_restart(targe
     said = ["again" if "started again next round" in r.message else "pause" for r in caplog.records
             if "failed for session" in r.message]
     assert said[:3] == ["again", "pause", "again"] and "again, again" not in ", ".join(said), said
+
+
+def test_a_restarted_draft_that_refuses_the_session_does_not_fail_the_generation(target):
+    """Mid-generation, a draft started again (it lost the session) that now refuses it (as a draft restarted with
+    another model would: FAILED_PRECONDITION) is a failed draft: the generation goes on target-only."""
+    config = OrchestratorConfig(trigger="fixed", fixed_tree_nodes=4)
+    with start_stack(target, [ModelProposer(target, DraftConfig())], orchestrator_config=config) as stack:
+        drafter = stack.drafts[0].core
+        session_of, start, calls = drafter._session, drafter.start, []
+
+        def forgetful(session_id):
+            calls.append(session_id)
+            if len(calls) == 3:
+                drafter.end(session_id)
+            return session_of(session_id)
+
+        def refuses_again(session_id, *args, **kwargs):
+            if calls:
+                raise FailedPrecondition("tokenizer mismatch (injected)")
+            return start(session_id, *args, **kwargs)
+
+        drafter._session, drafter.start = forgetful, refuses_again
+        chunks = list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=60))
+        assert tokens_of(chunks) == hf_greedy(target.model, PROMPT, 60) and chunks[-1].finish_reason == "length"
 
 
 def test_client_cancel_releases_sessions(target):
