@@ -30,6 +30,14 @@ def setup_telemetry(service_name: str) -> None:
     setup_metrics(service_name)
 
 
+def shutdown_telemetry() -> None:
+    """Export what the SDK providers still hold, and stop them (their atexit hooks do it at a normal exit)."""
+    for provider in (trace.get_tracer_provider(), metrics.get_meter_provider()):
+        shutdown = getattr(provider, "shutdown", None)  # (the API's default providers have none)
+        if shutdown is not None:
+            shutdown()
+
+
 def _exporters(variable: str, kinds: tuple[str, ...] = ("none", "console", "otlp")) -> list[str]:
     names = [e.strip() for e in os.environ.get(variable, "none").split(",") if e.strip()]
     for name in names:
