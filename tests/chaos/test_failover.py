@@ -208,3 +208,35 @@ def test_a_hung_verifier_replica_s_sessions_move_within_seconds(model_dir, servi
     assert max(held) >= 1 and took < 30, (held, took)
     for i, prompt in enumerate(prompts):
         assert results[i] == hf_greedy(loaded.model, prompt, 200), i
+
+
+def test_kill9_the_draft_then_restart_it_on_its_port(model_dir, services):
+    """The edge box's draft dies under live sessions (kill -9): every generation goes on target-only and ends as the
+    target alone's, none failed. Started again on the same address (systemd's Restart=), the draft drafts again for
+    the orchestrator within seconds, without the orchestrator being restarted."""
+    from redis_server import free_port
+
+    path, loaded = model_dir
+    draft = ["--listen", f"127.0.0.1:{free_port()}", "--draft", "model", "--draft-model", str(path)]
+    d_addr = services.address(services.spawn("draft", *draft))
+    _, verifier = services.start("verifier", "--target-model", str(path))
+    _, orch = services.start("orchestrator", "--verifiers", verifier, "--drafts", d_addr, "--target-model", str(path),
+                             "--trigger", "fixed", "--fixed-tree-nodes", "4", "--burst-max", "1")
+    prompts = PROMPTS[:4]
+    gens = Generations(orch, prompts, 300)
+    gens.wait_until_each_has(4)
+    services.kill9(services.procs[0])
+    results = gens.join()
+    for i, prompt in enumerate(prompts):
+        assert results[i] == hf_greedy(loaded.model, prompt, 300), i
+    assert any(c.stats.drafter == "none" for c in gens.chunks[0] if c.stats)  # rounds without the draft were run
+    services.address(services.spawn("draft", *draft))
+    start = time.monotonic()
+
+    def drafted() -> bool:
+        chunks = list(Client(orch).generate(prompt_token_ids=PROMPTS[5], max_new_tokens=20))
+        assert tokens_of(chunks) == hf_greedy(loaded.model, PROMPTS[5], 20)
+        return any(c.stats.num_draft_tokens for c in chunks if c.stats)
+
+    assert wait_for(drafted, timeout=60), "the orchestrator never drafted on the restarted draft"
+    assert time.monotonic() - start < 15
