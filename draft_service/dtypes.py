@@ -26,7 +26,13 @@ bfloat16 99.0%, float16 100%.
 from __future__ import annotations
 
 import copy
+import datetime
+import hashlib
+import json
 import logging
+import os
+import pathlib
+import platform
 import time
 from dataclasses import dataclass
 
@@ -51,6 +57,7 @@ QUANTIZED = (torch.int8, INT4)
 MIN_SPEEDUP = {torch.int8: 1.25, INT4: 1.1}
 MANY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # prompts and copied spans
 MANY_TOKENS = 16  # a timed many-token forward (a copied span's length); timed steps run on a cache this long
+CALIBRATION_FILE = "draft-calibration.json"  # what calibrate timed, per machine (``remember``; the CLI's cache dir)
 
 
 @dataclass(frozen=True)
@@ -59,13 +66,15 @@ class Calibration:
     many_dtype: torch.dtype
     step_ms: dict  # dtype -> ms of one step on a MANY_TOKENS cache (only the timed ones)
     many_ms: dict  # dtype -> ms of a MANY_TOKENS forward on a MANY_TOKENS cache
+    recalled: str = ""  # "": timed now; else where and when these times were taken ("FILE, timed at ...")
 
     def describe(self) -> str:
         def fmt(times: dict) -> str:
             return ", ".join(f"{dtype_name(d)} {ms:.1f} ms" for d, ms in times.items())
 
         return (f"steps in {dtype_name(self.step_dtype)} ({fmt(self.step_ms) or 'as asked'}); "
-                f"{MANY_TOKENS}-token forwards in {dtype_name(self.many_dtype)} ({fmt(self.many_ms)})")
+                f"{MANY_TOKENS}-token forwards in {dtype_name(self.many_dtype)} ({fmt(self.many_ms)})"
+                + (f"; as timed before, kept in {self.recalled} (delete it to time again)" if self.recalled else ""))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -74,12 +83,14 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def calibrate(model, threads: int = 0, step_dtypes=STEP_DTYPES, many_dtypes=MANY_DTYPES,
-              repeats: int = 5, lean_forward: bool = True) -> tuple[dict, Calibration]:
+              repeats: int = 5, lean_forward: bool = True, remember: pathlib.Path | None = None) -> tuple[dict, Calibration]:
     """Copies of ``model`` in each candidate dtype, timed on this machine with ``threads`` torch threads (the
     draft's own). Returns ({dtype: model} holding the chosen ones only, the calibration). A single step
     candidate is taken as given (not timed). On a GPU nothing is timed: float16 (or the one given) for both.
     On a CPU the copies of a model ``lean.supports`` are lean forwards (``weight_dtype`` = the candidate)
-    unless ``lean_forward`` is False (Hugging Face models wanted: HF assisted generation's assistant)."""
+    unless ``lean_forward`` is False (Hugging Face models wanted: HF assisted generation's assistant).
+    ``remember``: a JSON file of earlier calibrations; one of the same CPU, torch, threads, model shape and
+    candidates is taken from it instead of timing (and only its two copies are made), a new one is added to it."""
     if model.device.type != "cpu":
         dtype = step_dtypes[0] if len(step_dtypes) == 1 else torch.float16
         return {dtype: model if model.dtype == dtype else copy.deepcopy(model).to(dtype)}, Calibration(dtype, dtype, {}, {})
@@ -91,24 +102,86 @@ def calibrate(model, threads: int = 0, step_dtypes=STEP_DTYPES, many_dtypes=MANY
             raise ValueError(f"{dtype_name(step_dtypes[0])} draft weights need the lean forward (a Llama-architecture "
                              f"model on a CPU{', rows in groups of 32' if lean_here else ''})")
         step_dtypes = tuple(d for d in step_dtypes if d not in unfit)
-    if lean_here:
-        models = {dtype: lean.LeanLlama(model, dtype) for dtype in dict.fromkeys((*step_dtypes, *many_dtypes))}
-    else:
-        models = {dtype: model if model.dtype == dtype else copy.deepcopy(model).to(dtype)
-                  for dtype in dict.fromkeys((*step_dtypes, *many_dtypes))}
+    def copy_in(dtype: torch.dtype):
+        if lean_here:
+            return lean.LeanLlama(model, dtype)
+        return model if model.dtype == dtype else copy.deepcopy(model).to(dtype)
+
     timed = list(dict.fromkeys((*step_dtypes, *many_dtypes))) if len(step_dtypes) + len(many_dtypes) > 2 else []
-    runner = ModelRunner("calibrate", threads)
-    try:
-        times = {d: runner(_time, models[d], repeats) for d in timed}  # dtype -> (step ms, many-token ms)
-    finally:
-        runner.close()
-    step_ms = {d: times[d][0] for d in step_dtypes} if len(step_dtypes) > 1 else {}
-    many_ms = {d: times[d][1] for d in many_dtypes} if len(many_dtypes) > 1 else {}
-    step = pick_step_dtype(step_ms) if step_ms else step_dtypes[0]
-    many = min(many_ms, key=many_ms.get) if many_ms else many_dtypes[0]
-    calibration = Calibration(step, many, step_ms, many_ms)
+    key = _machine_key(model, threads, step_dtypes, many_dtypes, lean_here) if remember and timed else ""
+    calibration = _recall(remember, key, step_dtypes, many_dtypes) if key else None
+    if calibration is None:
+        models = {dtype: copy_in(dtype) for dtype in dict.fromkeys((*step_dtypes, *many_dtypes))}
+        runner = ModelRunner("calibrate", threads)
+        try:
+            times = {d: runner(_time, models[d], repeats) for d in timed}  # dtype -> (step ms, many-token ms)
+        finally:
+            runner.close()
+        step_ms = {d: times[d][0] for d in step_dtypes} if len(step_dtypes) > 1 else {}
+        many_ms = {d: times[d][1] for d in many_dtypes} if len(many_dtypes) > 1 else {}
+        step = pick_step_dtype(step_ms) if step_ms else step_dtypes[0]
+        many = min(many_ms, key=many_ms.get) if many_ms else many_dtypes[0]
+        calibration = Calibration(step, many, step_ms, many_ms)
+        if key:
+            _remember(remember, key, calibration)
+    else:
+        models = {dtype: copy_in(dtype) for dtype in (calibration.step_dtype, calibration.many_dtype)}
     log.info("half draft: %s", calibration.describe())
-    return {d: models[d] for d in (step, many)}, calibration
+    return {d: models[d] for d in (calibration.step_dtype, calibration.many_dtype)}, calibration
+
+
+def _machine_key(model, threads: int, step_dtypes, many_dtypes, lean_here: bool) -> str:
+    """What a calibration's times depend on: the CPU (its name and instruction-set flags), torch, the draft's
+    threads, the model's shape (not its weights) and the candidates."""
+    cpu = flags = ""
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            cpu = cpu or (value.strip() if name.strip() == "model name" else "")
+            flags = flags or (value.strip() if name.strip() == "flags" else "")
+    except OSError:  # not Linux
+        cpu = platform.processor()
+    config = model.config
+    shape = [getattr(config, a, None) for a in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                 "num_attention_heads", "num_key_value_heads", "vocab_size")]
+    return json.dumps([cpu or platform.machine(), hashlib.sha256(flags.encode()).hexdigest()[:16], torch.__version__,
+                       threads or torch.get_num_threads(), shape, [dtype_name(d) for d in step_dtypes],
+                       [dtype_name(d) for d in many_dtypes], lean_here])
+
+
+def _read(path: pathlib.Path) -> dict:
+    try:
+        known = json.loads(path.read_text())
+        return known if isinstance(known, dict) else {}
+    except (OSError, ValueError):  # none yet, or unreadable: time again (and write it anew)
+        return {}
+
+
+def _recall(path: pathlib.Path, key: str, step_dtypes, many_dtypes) -> Calibration | None:
+    entry = _read(path).get(key)
+    try:
+        names = {dtype_name(d): d for d in (*step_dtypes, *many_dtypes)}
+        return Calibration(names[entry["step"]], names[entry["many"]],
+                           {names[n]: float(ms) for n, ms in entry["step_ms"].items()},
+                           {names[n]: float(ms) for n, ms in entry["many_ms"].items()},
+                           recalled=f"{path}, timed at {entry['timed_at']}")
+    except (TypeError, KeyError, ValueError):  # no such entry, or not one this code wrote
+        return None
+
+
+def _remember(path: pathlib.Path, key: str, calibration: Calibration) -> None:
+    known = _read(path)
+    known[key] = {"step": dtype_name(calibration.step_dtype), "many": dtype_name(calibration.many_dtype),
+                  "step_ms": {dtype_name(d): ms for d, ms in calibration.step_ms.items()},
+                  "many_ms": {dtype_name(d): ms for d, ms in calibration.many_ms.items()},
+                  "timed_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = path.with_name(f".{path.name}.{os.getpid()}")
+        scratch.write_text(json.dumps(known, indent=1))
+        os.replace(scratch, path)  # whole or not at all, whoever else writes it
+    except OSError as err:  # a read-only cache: time again next start
+        log.warning("half draft: cannot keep the calibration in %s (%s)", path, err)
 
 
 def pick_step_dtype(step_ms: dict) -> torch.dtype:

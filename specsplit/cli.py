@@ -29,7 +29,7 @@ def _draft_config(args, drafter: str):
     width = args.grow_width or (1 if drafter.startswith("half") else DraftConfig.grow_width)
     return DraftConfig(max_nodes=getattr(args, "max_tree_nodes", DraftConfig.max_nodes), grow_width=width,
                        branch_threshold=args.branch_threshold, threads=args.draft_threads,
-                       reuse_ended=not args.no_cache_reuse)
+                       reuse_ended=not args.no_cache_reuse, remember_calibration=True)
 
 
 def _draft_process_args(args, kind: str) -> list[str]:

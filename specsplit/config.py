@@ -89,6 +89,9 @@ class DraftConfig:
     # A model draft's new session that continues the latest ended one (a conversation's next turn sends the earlier
     # turns again) starts from that session's KV cache: only the new tokens are computed.
     reuse_ended: bool = True
+    # The half draft takes its dtypes from an earlier calibration of the same machine, model shape and threads, kept in
+    # the cache dir (draft_service.dtypes.CALIBRATION_FILE), instead of timing them at every start (the CLI's services).
+    remember_calibration: bool = False
 
 
 @dataclass

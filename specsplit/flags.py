@@ -418,7 +418,7 @@ def _draft_flags(parser: argparse.ArgumentParser) -> None:
                        help="the draft model's dtype (--draft model or half): auto, float16, bfloat16, float32 (or "
                             "fp16, bf16, fp32), int8, int4. Default for half: whichever of float16, bfloat16, float32 "
                             "and (on a CPU) int8 and int4 weights runs a draft step fastest on this machine, timed at "
-                            "start (int8: one scale per weight row, ~2%% fewer tokens agreeing; int4: groups of 32, "
+                            "its first start and kept in $SPECSPLIT_CACHE/draft-calibration.json (int8: one scale per weight row, ~2%% fewer tokens agreeing; int4: groups of 32, "
                             "the head's best ids scored exactly, ~0.5%% fewer; quantized ones must be clearly faster "
                             "to be kept; prompts and copied spans likewise go through the fastest dtype for many-token "
                             "forwards; -v logs the timings); for model: --dtype. Any dtype keeps the output exact: the "

@@ -6,6 +6,7 @@ agrees with the target well enough that whole greedy chains are accepted. Its fo
 model thread with their own torch thread count.
 """
 
+import json
 import threading
 
 import pytest
@@ -88,6 +89,34 @@ def test_calibration_keeps_the_fastest_measured_dtypes(target):
     assert target.model.dtype == torch.float32  # the target itself is never converted
     models, given = calibrate(target.model, threads=1, step_dtypes=(torch.float16,))
     assert given.step_dtype == torch.float16 and given.step_ms == {} and weight_dtype(models[torch.float16]) == torch.float16
+
+
+def test_a_calibration_is_remembered_per_machine(target, tmp_path, monkeypatch):
+    """The first start times the candidates and keeps what it measured; the next one with the same machine, threads
+    and candidates takes it from the file without timing (and makes only the two copies it keeps); other threads are
+    timed again; an unreadable file is timed over and written anew."""
+    from draft_service import dtypes
+
+    path = tmp_path / "cache" / dtypes.CALIBRATION_FILE
+    _, first = calibrate(target.model, threads=1, remember=path)
+    assert not first.recalled and path.exists()
+
+    def timed(*args):
+        raise AssertionError("timed again")
+
+    monkeypatch.setattr(dtypes, "_time", timed)
+    models, again = calibrate(target.model, threads=1, remember=path)
+    assert again.recalled.startswith(f"{path}, timed at ") and "as timed before" in again.describe()
+    assert (again.step_dtype, again.many_dtype, again.step_ms, again.many_ms) == \
+        (first.step_dtype, first.many_dtype, first.step_ms, first.many_ms)
+    assert set(models) == {again.step_dtype, again.many_dtype}
+    assert all(weight_dtype(model) == dtype for dtype, model in models.items())
+    with pytest.raises(AssertionError, match="timed again"):
+        calibrate(target.model, threads=2, remember=path)
+    monkeypatch.undo()
+    path.write_text("{cut short")
+    _, fresh = calibrate(target.model, threads=1, remember=path)
+    assert not fresh.recalled and len(json.loads(path.read_text())) == 1
 
 
 def test_quantized_steps_are_kept_only_when_clearly_faster():
