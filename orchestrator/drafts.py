@@ -1,11 +1,9 @@
 """The orchestrator's side of the draft services: choosing one, starting, proposing, failing over, ending.
 
 A mixin of ``orchestrator.generation.Orchestrator`` (it uses ``self.drafts``, ``self._draft_info``,
-``self._learned``, ``self.config`` and ``self.verifier_info``). A failed draft never fails a generation:
-the session runs target-only for ``draft_retry_rounds`` rounds, then tries the draft again (or its
-twin, the next configured draft of the same kind). A draft that answers but has lost the session or is out of
-step with it (NOT_FOUND: restarted, or its idle sweep ended the session; FAILED_PRECONDITION) is started again
-from all committed tokens at the next round instead, once in ``draft_retry_rounds`` rounds.
+``self._learned``, ``self.config`` and ``self.verifier_info``). A failed draft never fails a generation: the session
+runs target-only for a while, then tries the draft again (or its twin, the next configured draft of the same kind); one
+that lost the session (restarted; its idle sweep ended it) is started again at the next round (``_draft_failed``).
 """
 
 from __future__ import annotations
@@ -103,8 +101,7 @@ class DraftMixin:
         return info.drafter if info else "none"
 
     def _start_draft(self, session: LiveSession, first: bool = True) -> None:
-        """StartSession with all committed tokens. A refusal (another tokenizer or target) fails a new generation; a
-        restarted draft that now refuses it mid-generation is a failed draft."""
+        """StartSession from all committed tokens; a refusal fails a new generation, mid-generation it is a failed draft."""
         try:
             session.draft.start(session.id, session.token_ids, self.verifier_info.tokenizer_fingerprint,
                                 timeout=self.config.draft_timeout_s, sampling=session.sampling,
@@ -136,7 +133,7 @@ class DraftMixin:
         if session.draft is None:
             return TokenTree.empty(), None
         if state.draft_down_until:
-            if state.round < state.draft_down_until:
+            if session.draft_paused():
                 return TokenTree.empty(), None
             self._restart_draft(session)
             if state.draft_down_until:
@@ -365,21 +362,24 @@ class DraftMixin:
         return same[(same.index(draft) + 1) % len(same)]
 
     def _draft_failed(self, session: LiveSession, err) -> None:
-        """Run target-only for ``draft_retry_rounds`` rounds, then start the draft again; one that answered but lost
-        the session or is out of step with it (``OUT_OF_STEP``) is started again at the next round, unless that was
-        done less than ``draft_retry_rounds`` rounds ago (a draft failing so every round is paused like any other)."""
+        """Run target-only for ``draft_retry_rounds`` rounds or ``draft_retry_s`` seconds (doubling at each failure),
+        whichever ends first; one that answered but lost the session or is out of step with it (``OUT_OF_STEP``) is
+        started again at the next round, unless that was done less than ``draft_retry_rounds`` rounds ago."""
         code = err.code() if hasattr(err, "code") else err
         details = err.details() if hasattr(err, "details") else ""
         state = session.state
         at_once = code in OUT_OF_STEP and state.round - session.restarted_at >= self.config.draft_retry_rounds
-        pause = 1 if at_once else self.config.draft_retry_rounds
+        if at_once:
+            session.restarted_at, pause, wait_s = state.round, 1, float("inf")  # the next round, whatever the time
+        else:
+            pause, retry_s = self.config.draft_retry_rounds, self.config.draft_retry_s
+            wait_s = session.draft_backoff_s = min(max(2 * session.draft_backoff_s, retry_s), 32 * retry_s)
         log.warning("draft %s failed for session %s (%s%s); %s", session.draft.address, session.id, code,
-                    f": {details}" if details else "",
-                    "it is started again next round" if at_once else f"target-only decoding for {pause} rounds")
+                    f": {details}" if details else "", "it is started again next round" if at_once else
+                    f"target-only decoding for {pause} rounds or {wait_s:g} s")
         trace.get_current_span().add_event("specsplit.draft_fallback", {"rpc.grpc.status_code": code.value[0],
                                                                         "specsplit.draft_pause_rounds": pause})
-        if at_once:
-            session.restarted_at = state.round
+        session.draft_retry_at = time.monotonic() + wait_s
         state.draft_down_until = state.round + pause
 
     def _restart_draft(self, session: LiveSession) -> None:

@@ -48,6 +48,8 @@ class LiveSession:
     since_copy: int = 1 << 30  # rounds since the last one that verified a copied span
     behind: int = 0  # committed tokens of rounds without the draft since its last round (it catches up on them first)
     restarted_at: int = -(1 << 30)  # the round whose draft failure restarted the draft at once (drafts._draft_failed)
+    draft_retry_at: float = 0.0  # time.monotonic() after which a paused draft is tried again (0: by rounds only)
+    draft_backoff_s: float = 0.0  # the pause's length in seconds: doubles at each failure of the session's draft
     copy_hits: float = 1.0  # decayed share of looked-up span tokens that were right (specsplit.lookup.span_hits)
     opened: object | None = None  # a new session's first round, opened before the verifier's prefill (drafts.RoundStart)
     prefill: object | None = None  # a new session's prefill still running in its own thread (placement.PrefillInFlight)
@@ -70,10 +72,13 @@ class LiveSession:
         return params if params.greedy else replace(params, seed=self.state.seed)
 
     def draft_usable(self) -> bool:
-        if self.medusa:
-            return True
+        return self.medusa or (self.draft is not None and not self.draft_paused())
+
+    def draft_paused(self) -> bool:
+        """The draft failed and neither its rounds (``draft_down_until``) nor its seconds (``draft_retry_at``) of
+        target-only decoding are over (a session resumed from the store, with no time set, retries at once)."""
         down = self.state.draft_down_until
-        return self.draft is not None and (not down or self.state.round >= down)
+        return bool(down) and self.state.round < down and time.monotonic() < self.draft_retry_at
 
     def absorb(self, reply) -> None:
         """Keep what a verifier reply (``specsplit.rpc.VerifierReply``) carries for the next round."""

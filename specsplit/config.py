@@ -102,6 +102,9 @@ class OrchestratorConfig:
     verify_timeout_s: float = 60.0  # a big tree on a busy CPU verifier can take seconds
     prefill_timeout_s: float = 300.0  # long prompts on CPU
     draft_retry_rounds: int = 32  # after a draft failure, target-only rounds before trying the draft again
+    # ... or this many seconds, whichever comes first (far verifiers make long rounds); the wait doubles at each failure
+    # of the session's draft, up to 32x (a hung draft costs a retry's draft_timeout_s at most that often)
+    draft_retry_s: float = 1.0
     health_interval_s: float = 1.0  # grpc.health.v1 checks of verifier replicas (a failed call also marks one down)
     health_cut_after: int = 3  # failed checks in a row that cut a replica's calls in flight short (0: never)
     offload_idle: bool = True  # a detached session's KV cache moves to the session store, freeing the replica

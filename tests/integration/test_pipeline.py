@@ -14,9 +14,9 @@ from orchestrator import drafts
 from orchestrator.trigger import make_trigger
 from specsplit.client import AsyncClient, Client
 from specsplit.config import DraftConfig, OrchestratorConfig, VerifierConfig
-from specsplit.errors import FailedPrecondition
+from specsplit.errors import FailedPrecondition, Unavailable
 from specsplit.launch import start_stack
-from tiny import hf_greedy, tiny_loaded, wait_for
+from tiny import hf_greedy, hold_each_forward, tiny_loaded, wait_for
 
 PROMPT = [258, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4]
 
@@ -120,6 +120,33 @@ def test_a_restarted_draft_that_refuses_the_session_does_not_fail_the_generation
         drafter._session, drafter.start = forgetful, refuses_again
         chunks = list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=60))
         assert tokens_of(chunks) == hf_greedy(target.model, PROMPT, 60) and chunks[-1].finish_reason == "length"
+
+
+class RebootingNgram(NgramProposer):
+    """A draft that answers UNAVAILABLE until ``up_at`` (time.monotonic()): its edge box rebooting (a fault injected
+    into a real proposer)."""
+
+    up_at = 0.0
+
+    def propose(self, session_id, token_ids, max_nodes, stop_token_ids=()):
+        if time.monotonic() < self.up_at:
+            raise Unavailable("the edge box is rebooting (injected)")
+        return super().propose(session_id, token_ids, max_nodes, stop_token_ids)
+
+
+def test_a_failed_draft_is_tried_again_after_seconds_as_well_as_rounds(target, monkeypatch):
+    """After a failure the draft is tried again after ``draft_retry_rounds`` rounds or ``draft_retry_s`` seconds,
+    whichever comes first: a draft back after a short outage drafts again though the rounds are far from over (long
+    rounds across a far network would otherwise leave most of a generation target-only)."""
+    config = OrchestratorConfig(draft_retry_rounds=1000, draft_retry_s=0.2, burst_max=1)
+    draft = RebootingNgram(DraftConfig())
+    with start_stack(target, [draft], orchestrator_config=config) as stack:
+        hold_each_forward(stack.verifier_engine, monkeypatch, 0.01)  # the generation lasts about a second
+        draft.up_at = time.monotonic() + 0.3
+        chunks = list(Client(stack.address).generate(prompt_token_ids=PROMPT, max_new_tokens=100))
+    assert tokens_of(chunks) == hf_greedy(target.model, PROMPT, 100)
+    drafted = [bool(c.stats.num_draft_tokens) for c in chunks if c.stats]
+    assert not drafted[0] and any(drafted), drafted  # down at first, drafting again later in the same generation
 
 
 def test_client_cancel_releases_sessions(target):
