@@ -424,7 +424,6 @@ def _is_refusal(err) -> bool:
     return hasattr(err, "code") and err.code() in (StatusCode.FAILED_PRECONDITION, StatusCode.INVALID_ARGUMENT)
 
 
-
 @dataclass
 class RoundStart:
     """A streamed round as ``_open_round`` left it, before the draft's steps are read."""
