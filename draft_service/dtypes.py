@@ -102,6 +102,7 @@ def calibrate(model, threads: int = 0, step_dtypes=STEP_DTYPES, many_dtypes=MANY
             raise ValueError(f"{dtype_name(step_dtypes[0])} draft weights need the lean forward (a Llama-architecture "
                              f"model on a CPU{', rows in groups of 32' if lean_here else ''})")
         step_dtypes = tuple(d for d in step_dtypes if d not in unfit)
+
     def copy_in(dtype: torch.dtype):
         if lean_here:
             return lean.LeanLlama(model, dtype)
@@ -165,7 +166,7 @@ def _recall(path: pathlib.Path, key: str, step_dtypes, many_dtypes) -> Calibrati
                            {names[n]: float(ms) for n, ms in entry["step_ms"].items()},
                            {names[n]: float(ms) for n, ms in entry["many_ms"].items()},
                            recalled=f"{path}, timed at {entry['timed_at']}")
-    except (TypeError, KeyError, ValueError):  # no such entry, or not one this code wrote
+    except (TypeError, KeyError, ValueError, AttributeError):  # no such entry, or not one this code wrote
         return None
 
 
