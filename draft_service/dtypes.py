@@ -58,6 +58,7 @@ MIN_SPEEDUP = {torch.int8: 1.25, INT4: 1.1}
 MANY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # prompts and copied spans
 MANY_TOKENS = 16  # a timed many-token forward (a copied span's length); timed steps run on a cache this long
 CALIBRATION_FILE = "draft-calibration.json"  # what calibrate timed, per machine (``remember``; the CLI's cache dir)
+CALIBRATION_ENV = "SPECSPLIT_DRAFT_CALIBRATION"  # that file's path instead, or "off": time at every start
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,17 @@ def calibrate(model, threads: int = 0, step_dtypes=STEP_DTYPES, many_dtypes=MANY
         models = {dtype: copy_in(dtype) for dtype in (calibration.step_dtype, calibration.many_dtype)}
     log.info("half draft: %s", calibration.describe())
     return {d: models[d] for d in (calibration.step_dtype, calibration.many_dtype)}, calibration
+
+
+def calibration_file() -> pathlib.Path | None:
+    """Where the services keep their calibrations: $SPECSPLIT_DRAFT_CALIBRATION (None if "off"), else the cache dir's
+    CALIBRATION_FILE."""
+    from specsplit.models import cache_dir
+
+    where = os.environ.get(CALIBRATION_ENV, "").strip()
+    if where.lower() == "off":
+        return None
+    return pathlib.Path(where) if where else cache_dir() / CALIBRATION_FILE
 
 
 def _machine_key(model, threads: int, step_dtypes, many_dtypes, lean_here: bool) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from specsplit.config import PARENT_PID_ENV, DraftConfig, OrchestratorConfig, VerifierConfig
 from specsplit.errors import InvalidArgument
-from specsplit.models import LoadedModel, cache_dir, load_model, load_tokenizer
+from specsplit.models import LoadedModel, load_model, load_tokenizer
 from specsplit.serving import CLIENT_MESSAGE_BYTES, Server
 
 log = logging.getLogger(__name__)
@@ -56,11 +56,11 @@ def make_proposer(kind: str, draft_model: str | None = None, device: str | None 
         # greedy tokens almost always (bench/results/drafters_half.md). Which dtype is cheapest depends on the
         # machine, so it is measured at start (draft_service/dtypes.py) unless --draft-dtype names one.
         # Verification stays exact on the target in its own dtype.
-        from draft_service.dtypes import CALIBRATION_FILE, calibrate, parse_draft_dtype
+        from draft_service.dtypes import calibrate, calibration_file, parse_draft_dtype
 
         loaded = loaded or load_model(target_model, device, "float32")
         config = config or DraftConfig()
-        remember = cache_dir() / CALIBRATION_FILE if config.remember_calibration else None
+        remember = calibration_file() if config.remember_calibration else None
         try:
             models, calibration = calibrate(loaded.model, config.threads, step_dtypes=parse_draft_dtype(draft_dtype),
                                             remember=remember)

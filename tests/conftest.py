@@ -4,6 +4,8 @@ import pathlib
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as specsplit/__init__.py does, before torch loads
+# Half drafts started by tests time their dtypes afresh, under the tests' load: none of it is kept for later starts.
+os.environ["SPECSPLIT_DRAFT_CALIBRATION"] = "off"
 sys.path.insert(0, str(pathlib.Path(__file__).parent))  # tests/tiny.py
 
 import torch  # noqa: E402

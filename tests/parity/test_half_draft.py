@@ -119,6 +119,18 @@ def test_a_calibration_is_remembered_per_machine(target, tmp_path, monkeypatch):
     assert not fresh.recalled and len(json.loads(path.read_text())) == 1
 
 
+def test_the_services_keep_calibrations_where_the_environment_says(tmp_path, monkeypatch):
+    from draft_service.dtypes import CALIBRATION_ENV, CALIBRATION_FILE, calibration_file
+
+    monkeypatch.setenv("SPECSPLIT_CACHE", str(tmp_path))
+    monkeypatch.delenv(CALIBRATION_ENV)  # (the tests turn it off)
+    assert calibration_file() == tmp_path / CALIBRATION_FILE
+    monkeypatch.setenv(CALIBRATION_ENV, str(tmp_path / "edge.json"))
+    assert calibration_file() == tmp_path / "edge.json"
+    monkeypatch.setenv(CALIBRATION_ENV, "off")
+    assert calibration_file() is None
+
+
 def test_quantized_steps_are_kept_only_when_clearly_faster():
     int4 = quantized.INT4
     assert pick_step_dtype({torch.float16: 50.0, torch.bfloat16: 60.0, torch.int8: 30.0}) == torch.int8
