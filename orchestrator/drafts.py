@@ -21,7 +21,7 @@ from orchestrator.session import LiveSession
 from orchestrator.trigger import RoundOutcome, leaves_stub, make_trigger, tree_confidence
 from specsplit.errors import FailedPrecondition, InvalidArgument, Unavailable
 from specsplit.growth import GrowingTree, best_leaf
-from specsplit.lookup import LOOKUP_PROB, SpanLookup, span_hits, use_bridge, use_span
+from specsplit.lookup import LOOKUP_MAX, LOOKUP_PROB, SpanLookup, span_hits, use_bridge, use_span
 from specsplit.provisional import follows, reconcile_provisional
 from specsplit.rpc import DraftInfo, RpcError, StatusCode
 from specsplit.tree import TokenTree, branch_below, union_trees, until_stop
@@ -179,10 +179,10 @@ class DraftMixin:
         fresh = not ahead  # no kept provisional tokens: the verifier waits for this tree's every node
         if session.state.draft_down_until:  # the draft failed earlier and its pause is over: start it again
             self._restart_draft(session)
-        # A draft that copies spans (half+ngram): a span prompt lookup finds is verified as it is, with no draft call
-        # (a code edit's unchanged lines), while such spans are mostly right, or when it continues last round's
-        # kept provisional tokens (the draft's own, which then vouch for it) further than they go.
-        span = self._lookup_span(session, remaining)  # [S]
+        # A draft that copies spans (half+ngram): a span prompt lookup finds is verified as it is, with no draft call (a
+        # code edit's unchanged lines), while such spans are mostly right, or when it continues last round's kept
+        # provisional tokens (the draft's own, which vouch for it) further than they go (a copied round stops the pipeline).
+        span = self._lookup_span(session, remaining, pipelined=bool(ahead))  # [S]
         copied = use_span(span, [t for t, _ in ahead], session.copy_hits)
         bridge = not copied and not ahead and use_bridge(session.since_copy, session.behind)
         session.since_copy = 0 if copied else session.since_copy + 1
@@ -335,7 +335,7 @@ class DraftMixin:
             session.ahead = route[len(route) - len(kept):]
         branch = branch_below(tree.parents, verdict.accepted_nodes[-1]) if accepted else path
         trigger.observe(RoundOutcome(
-            num_drafted=len(branch), num_accepted=accepted,
+            num_drafted=len(branch), num_accepted=accepted, nodes=len(tree),
             confidences=tuple(tree.confidence[n] for n in branch), committed=len(committed), round_ms=round_ms,
             draft_steps=steps, draft_ms=step_ms, plain=max_nodes == 0, copied=copied, pipelined_next=followed,
             verify_ms=getattr(timing, "call_ms", 0.0) or 0.0, provisional_steps=len(under), provisional_ms=sum(under)))
@@ -344,14 +344,15 @@ class DraftMixin:
         wasted = len(tree) - accepted + (0 if followed else len(provisional))
         return TreeRound(token_tree, draft_ms if len(tree) else None, verdict, timing, wasted, seeded)
 
-    def _lookup_span(self, session: LiveSession, remaining: int) -> list[int]:
-        """What prompt lookup copies after the committed tokens ([S]; [] unless the draft copies spans)."""
+    def _lookup_span(self, session: LiveSession, remaining: int, pipelined: bool = False) -> list[int]:
+        """What prompt lookup copies after the committed tokens ([S]; [] unless the draft copies spans): as long as the
+        trigger says, at most ``LOOKUP_MAX`` past kept provisional tokens (``pipelined``; README "Copied spans' length")."""
         if not self._drafter_name(session).endswith("+ngram") or session.sampling.rejection_sampled:
             return []
-        if session.lookup is None:
-            session.lookup = SpanLookup()
+        session.lookup = session.lookup or SpanLookup()
         budget = min(self._max_nodes(session.draft), self.config.tree_max_nodes, max(remaining - 1, 0))
-        return until_stop(session.lookup.span(session.token_ids), self.verifier_info.eos_token_ids)[:budget]
+        span = until_stop(session.lookup.span(session.token_ids, max_len=budget), self.verifier_info.eos_token_ids)
+        return span[:min(budget, LOOKUP_MAX) if pipelined else session.trigger.span_nodes(budget)]
 
     def _draft_replica_after(self, draft):
         """The next draft service of the same kind (a replica; any kind if this one's is unknown), in order."""

@@ -30,7 +30,10 @@ All three are pure and driven by ``observe(RoundOutcome)``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from orchestrator.span_length import SpanChances, VerifyCost, span_nodes
+from specsplit.lookup import LOOKUP_MAX
 
 ALPHA_MIN = 1e-6  # α never reaches 0 (then T < α could never fire and only the node budget would)
 # Provisional drafting continues the sent branch; its tokens count only if the verifier accepts that whole
@@ -71,6 +74,7 @@ class RoundOutcome:
     copied: bool = False  # the tree was a span prompt lookup copied, no draft involved: says nothing of the draft
     provisional_steps: int = 0  # draft forwards during the verification (provisional drafting) that arrived in time
     provisional_ms: float = 0.0  # their time as the draft measured it
+    nodes: int = 0  # the verified tree's nodes (0: none, a target-only round)
 
 
 def leaves_stub(num_nodes: int, max_nodes: int, remaining: int) -> bool:
@@ -93,6 +97,9 @@ class FixedSize:
 
     def verifies_grown(self, branch_confidence: float) -> bool:
         return False  # the size is the size
+
+    def span_nodes(self, limit: int) -> int:
+        return min(self.size, limit)  # a copied span is a tree too
 
     def wants_draft(self) -> bool:
         return True
@@ -119,6 +126,9 @@ class EdgeLLMThreshold:
 
     def verifies_grown(self, branch_confidence: float) -> bool:
         return False  # the paper's rule: verify once T < α
+
+    def span_nodes(self, limit: int) -> int:
+        return min(LOOKUP_MAX, limit)  # the paper copies no spans: prompt lookup's own length
 
     def wants_draft(self) -> bool:
         return True  # the paper's rule has no cost model: always draft
@@ -181,6 +191,8 @@ class GoodputThreshold:
     # half draft's probes after 16-64 target-only rounds spent ~580 ms each catching up, and goodput never
     # drafted again on a CPU where drafting ran 1.37x target-only.)
     resync: bool = False
+    cost: VerifyCost = field(default_factory=VerifyCost)  # verification ms against tree nodes (copied spans' length)
+    spans: SpanChances = field(default_factory=SpanChances)  # how right copied spans have been
 
     def should_verify(self, confidence: float, num_nodes: int, fresh: bool = False, kept: bool = False) -> bool:
         """T < α; but while drafted rounds' provisional drafting usually follows the committed path (pipelined:
@@ -255,6 +267,11 @@ class GoodputThreshold:
         (``orchestrator.drafts._open_first_round``) and the trigger reads it once the verifier is ready."""
         return self.pipelined >= PIPELINE_MIN_SHARE and self.provisional_worth(branch_confidence)
 
+    def span_nodes(self, limit: int) -> int:
+        """How much of a copied span (at most ``limit`` tokens) to verify: as long as its expected tokens per
+        verification ms still grow (``orchestrator.span_length``)."""
+        return span_nodes(limit, self.spans.chances(), self.cost.fit())
+
     def _rates(self) -> tuple[float, float] | None:
         """(drafted, target-only) rounds' committed tokens per ms; None until both kinds were measured."""
         (dt, dms), (pt, pms) = self.drafted, self.plain
@@ -297,9 +314,13 @@ class GoodputThreshold:
         self.resync = True
 
     def observe(self, outcome: RoundOutcome) -> None:
+        if outcome.verify_ms > 0 and (outcome.nodes > 0 or (outcome.plain and outcome.committed == 1)):
+            self.cost.observe(outcome.nodes, outcome.verify_ms)  # (not a decode burst: many forwards in one call)
         if outcome.copied:  # neither kind of round; the draft skipped its tokens
+            self.spans.observe(outcome.nodes, outcome.num_accepted)
             self.resync = True
             return
+        self.spans.interrupt()
         if not outcome.plain and self.resync:
             self.resync = False
             return  # not measured (see resync); a due probe stays due

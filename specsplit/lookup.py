@@ -8,7 +8,7 @@ from __future__ import annotations
 
 LOOKUP_MIN_NGRAM = 3  # a copied span follows a suffix n-gram at least this long (shorter ones match by chance)
 LOOKUP_MAX_NGRAM = 4  # prompt lookup's usual 3-4
-LOOKUP_MAX = 16  # longest span copied at once
+LOOKUP_MAX = 16  # longest span copied at once by default (the orchestrator's copies: the trigger's span_nodes)
 LOOKUP_PROB = 0.9  # the draft probability a copied token is sent with
 # A span is verified without the draft while this decayed share of looked-up span tokens was right (code edits:
 # most; chat: chance matches, mostly wrong, each breaking the draft's pipeline).
@@ -76,13 +76,14 @@ class SpanLookup:
         self.min_ngram, self.max_ngram, self.max_len = max(min_ngram, 1), max(max_ngram, min_ngram, 1), max_len
         self.index = NgramIndex(self.min_ngram, self.max_ngram)
 
-    def span(self, token_ids: list[int], drafted: list[int] = ()) -> list[int]:
+    def span(self, token_ids: list[int], drafted: list[int] = (), max_len: int | None = None) -> list[int]:
         """The most recent continuation of the longest suffix n-gram of ``token_ids`` + ``drafted`` (drafted
-        tokens are looked up, not indexed), at most ``max_len`` tokens; [] when nothing matches."""
+        tokens are looked up, not indexed), at most ``max_len`` tokens (default: this lookup's); [] when nothing
+        matches."""
         if self.index.tokens != token_ids[: len(self.index.tokens)]:  # history rewritten: rebuild
             self.index = NgramIndex(self.min_ngram, self.max_ngram)
         self.index.extend(token_ids[len(self.index.tokens):])
-        paths = self.index.continuations(self.max_len, 1, list(token_ids) + list(drafted))
+        paths = self.index.continuations(self.max_len if max_len is None else max_len, 1, list(token_ids) + list(drafted))
         return paths[0] if paths else []
 
 
