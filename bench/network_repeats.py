@@ -6,7 +6,7 @@ configurations' order changed between runs so that none always goes first), then
 
     python bench/network_repeats.py /tmp/rep/run1 /tmp/rep/run2 /tmp/rep/run3 --out bench/results/network_repeats
 
-writes <out>/network.json (each RTT and configuration's prompts of every repeat pooled: tokens/s is all their tokens
+(``--prompts a,b``: only those prompts, e.g. one kind of them) writes <out>/network.json (each RTT and configuration's prompts of every repeat pooled: tokens/s is all their tokens
 over all their seconds), <out>/network.md and network.png (``network_report.report`` of the pooled rows) and, at the
 end of network.md, a "Repeats" section: each configuration's tokens/s in each repeat, and for each adaptive trigger its
 ratio to the best fixed size (the best by pooled tokens/s) pooled and in each repeat, and how many repeats it was ahead.
@@ -21,16 +21,18 @@ import pathlib
 from network_report import TRIGGERS, parse_config, report, summarize
 
 
-def pool(datas: list[dict]) -> dict:
-    """Rows of several runs -> one row per (RTT, config) over all their prompts; ``repeats``: each run's tokens/s
-    (None where that run lacks the row)."""
+def pool(datas: list[dict], prompts: set[str] | None = None) -> dict:
+    """Rows of several runs -> one row per (RTT, config) over all their prompts (or only ``prompts``); ``repeats``:
+    each run's tokens/s over them (None where that run lacks the row)."""
     keys = list(dict.fromkeys((r["rtt_ms"], r["config"]) for d in datas for r in d["rows"]))
     rows = []
     for rtt, name in keys:
         found = [next((r for r in d["rows"] if (r["rtt_ms"], r["config"]) == (rtt, name)), None) for d in datas]
-        prompts = {tuple(sorted(run["prompt"] for run in r["runs"])) for r in found if r}
-        if len(prompts) > 1:
-            raise ValueError(f"RTT {rtt} {name}: the runs measured different prompts ({sorted(prompts)}); "
+        if prompts is not None:
+            found = [only(r, prompts) if r else None for r in found]
+        measured = {tuple(sorted(run["prompt"] for run in r["runs"])) for r in found if r}
+        if len(measured) > 1:
+            raise ValueError(f"RTT {rtt} {name}: the runs measured different prompts ({sorted(measured)}); "
                              "pool runs of the same command")
         row = summarize(rtt, name, [run for r in found if r for run in r["runs"]])
         for key in ("network", "warm_caches", "drafter", "draft_dtype", "temperature"):
@@ -39,6 +41,12 @@ def pool(datas: list[dict]) -> dict:
         rows.append(row)
     conditions = "; ".join(dict.fromkeys(d.get("conditions", "") for d in datas if d.get("conditions")))
     return {"rows": rows, "conditions": f"{len(datas)} runs pooled. {conditions}".strip()}
+
+
+def only(row: dict, prompts: set[str]) -> dict | None:
+    """``row`` summarized again over its runs of ``prompts`` only (None: it has none)."""
+    runs = [run for run in row["runs"] if run["prompt"] in prompts]
+    return {**row, **summarize(row["rtt_ms"], row["config"], runs)} if runs else None
 
 
 def repeat_lines(rows: list[dict]) -> list[str]:
@@ -74,6 +82,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="results directories of bench/network.py runs (each has network.json)")
     parser.add_argument("--out", required=True, help="where the pooled network.json, .md and .png go")
+    parser.add_argument("--prompts", help="comma-separated prompt ids: pool only these (default: every prompt)")
     args = parser.parse_args(argv)
     datas = []
     for d in args.runs:
@@ -82,7 +91,7 @@ def main(argv=None) -> int:
             parser.error(f"{path} does not exist: each run is a directory bench/network.py --out wrote")
         datas.append(json.loads(path.read_text()))
     try:
-        pooled = pool(datas)
+        pooled = pool(datas, set(args.prompts.split(",")) if args.prompts else None)
     except ValueError as err:
         parser.error(str(err))
     out = pathlib.Path(args.out)

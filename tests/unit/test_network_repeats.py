@@ -38,3 +38,13 @@ def test_runs_of_different_prompts_are_refused():
     other = {"rows": [dict(_row(0, "fixed-8+prov", [1.0]), runs=[_run("c", 100, 1.0)])]}
     with pytest.raises(ValueError, match="different prompts"):
         pool([one, other])
+
+
+def test_pooling_one_kind_of_prompt_recomputes_each_repeat_over_those_prompts():
+    one = {"rows": [_row(0, "fixed-8+prov", [1.0, 3.0]), _row(0, "goodput+prov", [2.0, 1.0])]}
+    two = {"rows": [_row(0, "fixed-8+prov", [1.0, 1.0]), _row(0, "goodput+prov", [0.5, 4.0])]}
+    rows = {r["config"]: r for r in pool([one, two], prompts={"a"})["rows"]}
+    assert rows["fixed-8+prov"]["repeats"] == pytest.approx([100.0, 100.0])  # prompt "a" only: 100 tokens in 1 s
+    assert rows["goodput+prov"]["repeats"] == pytest.approx([50.0, 200.0])
+    assert rows["goodput+prov"]["tokens_per_s"] == pytest.approx(200 / 2.5)
+    assert [r["prompt"] for r in rows["goodput+prov"]["runs"]] == ["a", "a"]
