@@ -382,7 +382,7 @@ def _tree_flags(parser: argparse.ArgumentParser) -> None:
                             "costs; edgellm = EdgeLLM's alpha rule; fixed = at --fixed-tree-nodes; budget = the "
                             "per-round node budget of non-streamed trees (Propose)")
     group.add_argument("--fixed-tree-nodes", type=_at_least(1), default=d.fixed_tree_nodes,
-                       help=f"--trigger fixed: tree size (default {d.fixed_tree_nodes})")
+                       help=f"--trigger fixed: tree size, copied spans too (default {d.fixed_tree_nodes})")
     group.add_argument("--tree-max-nodes", type=_at_least(1), default=d.tree_max_nodes,
                        help=f"largest tree a round sends for verification (default {d.tree_max_nodes}; cut to the "
                             "verifier's and the draft's --max-tree-nodes)")

@@ -215,24 +215,27 @@ def test_target_only_rounds_follow_a_copied_span_only_when_the_draft_is_far_behi
     from specsplit.lookup import COPY_BRIDGE_BEHIND, COPY_BRIDGE_ROUNDS, SpanLookup
 
     prompt = PROMPTS[1]
-    greedy = hf_greedy(target.model, prompt, 64)
-    spans = []  # the one span the orchestrator's lookup finds: at 4 tokens generated, right or wrong from its start
+    greedy = hf_greedy(target.model, prompt, 96)
+    spans = []  # (tokens generated, span): the one span the orchestrator's lookup finds, right or wrong from its start
 
     class OneSpan(SpanLookup):
-        def span(self, token_ids, drafted=()):
+        def span(self, token_ids, drafted=(), max_len=None):
             n = len(token_ids) - len(prompt)
             if spans or n < 4:
                 return []
-            spans.append(greedy[n:n + COPY_BRIDGE_BEHIND] if case == "edit point" else [(greedy[n] + 1) % 300] * 16)
-            return list(spans[0])
+            spans.append((n, greedy[n:n + COPY_BRIDGE_BEHIND] if case == "edit point" else [(greedy[n] + 1) % 300] * 16))
+            return list(spans[0][1])
 
     monkeypatch.setattr("orchestrator.drafts.SpanLookup", OneSpan)  # the orchestrator's (the draft's own is as it is)
     proposer = make_proposer("half+ngram", device="cpu", target_model=str(target_dir), config=DraftConfig(threads=1))
-    config = OrchestratorConfig(trigger="fixed", tree_max_nodes=16, provisional_max=0)  # no kept tokens to vouch
+    # a fixed size copies spans of its size; no provisional tokens: none vouch for a span
+    config = OrchestratorConfig(trigger="fixed", fixed_tree_nodes=16, tree_max_nodes=16, provisional_max=0)
     with start_stack(target, [proposer], orchestrator_config=config) as stack:
-        tokens, stats = run(stack, prompt, 64, "half+ngram")
+        tokens, stats = run(stack, prompt, 96, "half+ngram")
     assert tokens == greedy
-    copied = next(i for i, s in enumerate(stats) if s.num_draft_tokens == 16)
+    generated = [sum(s.num_committed for s in stats[:i]) for i in range(len(stats))]  # before each round
+    copied = generated.index(spans[0][0])  # the round the span was looked up for
+    assert stats[copied].num_draft_tokens == 16
     assert stats[copied].num_accepted == (16 if case == "edit point" else 0)
     after = [s.drafter for s in stats[copied + 1:copied + 1 + COPY_BRIDGE_ROUNDS + 1]]
     if case == "edit point":  # 17 tokens the draft has not seen: the target bridges, then the draft goes on
