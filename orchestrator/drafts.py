@@ -252,8 +252,7 @@ class DraftMixin:
         trigger, tree, stream, ahead = session.trigger, start.tree, start.stream, start.ahead
         started, seeded, fresh, span, copied, max_nodes = (start.started, start.seeded, start.fresh, start.span,
                                                            start.copied, start.max_nodes)
-        steps = 0
-        step_ms = 0.0  # draft forward time as the draft measured it (no waiting, no network)
+        steps, step_ms = 0, 0.0  # draft forwards, their time as the draft measured it (no waiting, no network)
 
         def add(step) -> list[int]:
             nonlocal seeded, steps, step_ms
@@ -304,6 +303,7 @@ class DraftMixin:
             if not self.config.provisional_max or (leaf >= 0 and not trigger.provisional_worth(tree.confidence[leaf])):
                 stream.close()  # the draft stops after its current forward
         token_tree = TokenTree(tuple(tree.token_ids), tuple(tree.parents), tuple(tree.draft_probs))
+        after_prefill = session.prefill is not None  # the call waits for the prompt's prefill too
         try:
             verdict, timing = verify(token_tree)
         finally:
@@ -335,7 +335,7 @@ class DraftMixin:
             session.ahead = route[len(route) - len(kept):]
         branch = branch_below(tree.parents, verdict.accepted_nodes[-1]) if accepted else path
         trigger.observe(RoundOutcome(
-            num_drafted=len(branch), num_accepted=accepted, nodes=len(tree),
+            num_drafted=len(branch), num_accepted=accepted, nodes=len(tree), after_prefill=after_prefill,
             confidences=tuple(tree.confidence[n] for n in branch), committed=len(committed), round_ms=round_ms,
             draft_steps=steps, draft_ms=step_ms, plain=max_nodes == 0, copied=copied, pipelined_next=followed,
             verify_ms=getattr(timing, "call_ms", 0.0) or 0.0, provisional_steps=len(under), provisional_ms=sum(under)))
@@ -346,7 +346,7 @@ class DraftMixin:
 
     def _lookup_span(self, session: LiveSession, remaining: int, pipelined: bool = False) -> list[int]:
         """What prompt lookup copies after the committed tokens ([S]; [] unless the draft copies spans): as long as the
-        trigger says, at most ``LOOKUP_MAX`` past kept provisional tokens (``pipelined``; README "Copied spans' length")."""
+        trigger says, at most ``LOOKUP_MAX`` past kept tokens (``pipelined``; README "Code edits across the network")."""
         if not self._drafter_name(session).endswith("+ngram") or session.sampling.rejection_sampled:
             return []
         session.lookup = session.lookup or SpanLookup()

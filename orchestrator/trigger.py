@@ -24,7 +24,8 @@ How α moves is the policy:
   makes during one verification (``pipeline_nodes``: those forwards run while the verifier works).
 - ``FixedSize``: verify once the tree has ``size`` nodes (the comparison baseline).
 
-All three are pure and driven by ``observe(RoundOutcome)``.
+Each also says how long a copied span (prompt lookup's, verified with no draft call) goes out: ``span_nodes``. All
+three are pure and driven by ``observe(RoundOutcome)``.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class RoundOutcome:
     provisional_steps: int = 0  # draft forwards during the verification (provisional drafting) that arrived in time
     provisional_ms: float = 0.0  # their time as the draft measured it
     nodes: int = 0  # the verified tree's nodes (0: none, a target-only round)
+    after_prefill: bool = False  # the call waited for the session's prefill too: verify_ms is not a verification's
 
 
 def leaves_stub(num_nodes: int, max_nodes: int, remaining: int) -> bool:
@@ -314,7 +316,7 @@ class GoodputThreshold:
         self.resync = True
 
     def observe(self, outcome: RoundOutcome) -> None:
-        if outcome.verify_ms > 0 and (outcome.nodes > 0 or (outcome.plain and outcome.committed == 1)):
+        if outcome.verify_ms > 0 and not outcome.after_prefill and (outcome.nodes or outcome.committed == 1):
             self.cost.observe(outcome.nodes, outcome.verify_ms)  # (not a decode burst: many forwards in one call)
         if outcome.copied:  # neither kind of round; the draft skipped its tokens
             self.spans.observe(outcome.nodes, outcome.num_accepted)

@@ -83,3 +83,14 @@ def test_goodput_learns_span_length_from_copied_rounds():
 def test_fixed_sizes_copy_their_size_and_edgellm_prompt_lookups_length():
     assert FixedSize(8).span_nodes(48) == 8 and FixedSize(64).span_nodes(48) == 48
     assert EdgeLLMThreshold().span_nodes(48) == LOOKUP_MAX
+
+
+def test_goodput_times_verifications_but_not_one_that_waited_for_the_prefill_or_decoded_a_burst():
+    t = GoodputThreshold()
+    t.observe(RoundOutcome(16, 16, (0.9,) * 16, 17, 900.0, 0, 0.0, verify_ms=900.0, nodes=16, after_prefill=True))
+    t.observe(RoundOutcome(0, 0, (), 6, 300.0, 0, 0.0, plain=True, verify_ms=300.0))  # a burst of 6 forwards
+    assert t.cost.fit() is None
+    t.observe(RoundOutcome(16, 16, (0.9,) * 16, 17, 105.0, 0, 0.0, verify_ms=105.0, nodes=16, plain=True, copied=True))
+    t.observe(RoundOutcome(0, 0, (), 1, 44.0, 0, 0.0, plain=True, verify_ms=44.0))
+    fixed, per_node = t.cost.fit()
+    assert fixed == pytest.approx(44.0) and per_node == pytest.approx(61.0 / 16)
