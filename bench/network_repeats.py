@@ -6,10 +6,11 @@ configurations' order changed between runs so that none always goes first), then
 
     python bench/network_repeats.py /tmp/rep/run1 /tmp/rep/run2 /tmp/rep/run3 --out bench/results/network_repeats
 
-(``--prompts a,b``: only those prompts, e.g. one kind of them) writes <out>/network.json (each RTT and configuration's prompts of every repeat pooled: tokens/s is all their tokens
-over all their seconds), <out>/network.md and network.png (``network_report.report`` of the pooled rows) and, at the
-end of network.md, a "Repeats" section: each configuration's tokens/s in each repeat, and for each adaptive trigger its
-ratio to the best fixed size (the best by pooled tokens/s) pooled and in each repeat, and how many repeats it was ahead.
+(``--prompts a,b``: only those prompts, e.g. one kind of them) writes <out>/network.json (each RTT and
+configuration's prompts of every repeat pooled: tokens/s is all their tokens over all their seconds), <out>/network.md
+and network.png (``network_report.report`` of the pooled rows) and, at the end of network.md, a "Repeats" section:
+each configuration's tokens/s in each repeat, and for each adaptive trigger its ratio to the best fixed size (the best
+by pooled tokens/s) pooled and in each repeat, and how many repeats it was ahead.
 """
 
 from __future__ import annotations
