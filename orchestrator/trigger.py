@@ -18,7 +18,7 @@ How α moves is the policy:
   have their own measured rate, and the round type with the higher one is used (switching only for a
   5% better rate), the other probed once after ``probe_every`` rounds (the gap doubling, up to ``probe_max``,
   while probes confirm the choice; a probe of target-only rounds is skipped while drafting is ``decisive``-ly
-  faster than they were), so a draft that does not pay (a
+  faster than they were, the gap doubling on up to ``probe_max_decisive``), so a draft that does not pay (a
   weak draft next to a fast verifier) costs no more than plain decoding. With pipelined verification
   (provisional drafting that follows the committed path) a tree is verified once it holds what the draft
   makes during one verification (``pipeline_nodes``: those forwards run while the verifier works).
@@ -173,11 +173,13 @@ class GoodputThreshold:
     probe_gap: int = 0  # the gap now (0: probe_every)
     since_probe: int = 0  # rounds since the last probe (or since the start)
     # A due probe of target-only rounds is skipped, as if it had confirmed drafting, while drafting measures at
-    # least this much faster than target-only rounds did (until the gap reaches probe_max: then it runs). A probe
-    # costs most where drafting pays most: it breaks the pipeline and, on a slow network, is a long decode burst
-    # (measured at RTT 100 ms with the half draft: a 16-token burst of 1.1 s where drafting commits ~40 tokens/s,
-    # then a round restarting the pipeline).
+    # least this much faster than target-only rounds did (until the gap reaches probe_max_decisive: then it runs).
+    # A probe costs most where drafting pays most: it breaks the pipeline and, on a slow network, is a long decode
+    # burst (measured at RTT 100 ms with the half draft: a 16-token burst of 1.1 s where drafting commits ~40
+    # tokens/s, then a round restarting the pipeline; on a Zen 4 EPYC at RTT 50 ms: a 9-token burst of 590 ms where
+    # drafting commits ~55 tokens/s, ~0.4 s lost, against ~6 s of drafted rounds in 64 rounds of ~6 tokens).
     decisive: float = 0.5
+    probe_max_decisive: int = 512  # the longest gap while probes are skipped that way (then one runs)
     # Decayed share of drafted rounds whose provisional drafting followed the committed path (make_trigger starts it
     # at PIPELINE_MIN_SHARE when pipelining is on, so the first tree is verified at once and the draft goes on).
     pipelined: float = 0.0
@@ -200,7 +202,7 @@ class GoodputThreshold:
         """T < α; but while drafted rounds' provisional drafting usually follows the committed path (pipelined:
         the draft drafts the branch on during each verification, and what it made is the next tree's start),
         once the tree has ``pipeline_nodes`` nodes (the α rule prices a draft forward as if the verifier waited
-        for it), or sooner once its best branch is unlikely to be accepted whole (not ``provisional_worth``):
+        for it), or sooner once its best branch is unlikely to be accepted whole (not ``likely_whole``):
         drafting on from a token the target will probably reject is waste, or once the nodes still missing
         would cost more waiting than they bring (``_waiting_pays``). ``kept``: the tree is last round's kept
         provisional tokens and the draft has not run this round yet (growing it costs the draft's catch-up
@@ -224,9 +226,9 @@ class GoodputThreshold:
         if self.pipelined >= PIPELINE_MIN_SHARE:
             size = self.pipeline_nodes()
             if fresh:
-                return num_nodes >= math.ceil(size / 2) or not self.provisional_worth(confidence)
+                return num_nodes >= math.ceil(size / 2) or not self.likely_whole(confidence)
             missing = size - num_nodes
-            return (missing <= 0 or not self.provisional_worth(confidence)
+            return (missing <= 0 or not self.likely_whole(confidence)
                     or not self._waiting_pays(num_nodes, missing, missing + (1 if kept else 0)))
         return confidence < self.alpha
 
@@ -256,18 +258,36 @@ class GoodputThreshold:
         """A draft forward during a verification (a growth forward's time until one is measured; 0: neither)."""
         return self.verify_step_ms or self.step_ms
 
-    def provisional_worth(self, branch_confidence: float) -> bool:
-        """Draft provisionally from the sent branch only if it is accepted whole often enough: the chance
-        is branch_confidence^γ (the model fitted in ``observe``; before any outcome: assume so)."""
+    def likely_whole(self, branch_confidence: float) -> bool:
+        """The branch is likely to be accepted whole: its chance, branch_confidence^γ (the model fitted in
+        ``observe``; before any outcome: assume so), is at least PROVISIONAL_MIN_CHANCE."""
         return not self.fitted or branch_confidence ** self.gamma >= PROVISIONAL_MIN_CHANCE
+
+    def provisional_worth(self, branch_confidence: float) -> bool:
+        """Draft provisionally from the sent branch while it is verified. While pipelined, whenever the branch's
+        chance c of being accepted whole pays for it: accepted, the draft's forwards during the verification are
+        the next tree (``pipeline_nodes`` forwards it need not run later); rejected, they are dropped, and the next
+        round waits for the forward still running, half a forward on average (an idle draft would not make it
+        wait). So c · n ≥ (1 - c) / 2 with n = ``pipeline_nodes``. Otherwise only if the branch is ``likely_whole``
+        (a draft that is seldom right: its provisional tokens are almost always dropped).
+
+        (Seen on a Zen 4 EPYC with the half draft, chat at RTT 0, every draft forward timed in a one-off run: with
+        the likely-whole rule alone the draft stopped after one forward under a pipelined tree of 7 nodes that the
+        target then took whole, idle for 84 ms; fixed sizes, always drafting on, never idle that way. Over three runs
+        of four chat prompts at RTT 0-100 ms (10 RTT-runs, 8 of them with ``probe_max_decisive`` against the old
+        probe gap too) the goodput trigger ran 1.006x pooled against its earlier rules: within the noise.)"""
+        if not self.fitted or self.pipelined < PIPELINE_MIN_SHARE:
+            return self.likely_whole(branch_confidence)
+        chance = branch_confidence ** self.gamma
+        return chance * (2 * self.pipeline_nodes() + 1) >= 1
 
     def verifies_grown(self, branch_confidence: float) -> bool:
         """Whether a step the draft has already grown past the point where ``should_verify`` fired joins the tree
         (it costs no wait; left out, it would be verified one round trip later): while pipelined (the draft is
-        reliable) and the branch is still likely to be accepted whole (``provisional_worth``). Such steps pile up in a
+        reliable) and the branch is still likely to be accepted whole (``likely_whole``). Such steps pile up in a
         session's first round: the draft grows it while the verifier caches the prompt
         (``orchestrator.drafts._open_first_round``) and the trigger reads it once the verifier is ready."""
-        return self.pipelined >= PIPELINE_MIN_SHARE and self.provisional_worth(branch_confidence)
+        return self.pipelined >= PIPELINE_MIN_SHARE and self.likely_whole(branch_confidence)
 
     def span_nodes(self, limit: int) -> int:
         """How much of a copied span (at most ``limit`` tokens) to verify: as long as its expected tokens per
@@ -296,18 +316,21 @@ class GoodputThreshold:
         due = self.since_probe >= (self.warmup if self.plain[1] <= 0 else (self.probe_gap or self.probe_every))
         if due and self.drafting and self._decisive():
             self.since_probe = 0  # skipped: counted as a probe that confirmed drafting
-            self._lengthen_probe_gap()
+            self._lengthen_probe_gap(self.probe_max_decisive)
             return True
         return self.drafting != due
 
-    def _lengthen_probe_gap(self) -> None:
-        self.probe_gap = min(2 * (self.probe_gap or self.probe_every), self.probe_max)
+    def _lengthen_probe_gap(self, cap: int | None = None) -> None:
+        """Double the gap, up to ``cap`` (probe_max); never shorten it (a probe after a gap that skipped probes
+        lengthened past probe_max confirms the choice: the gap stays)."""
+        gap = self.probe_gap or self.probe_every
+        self.probe_gap = max(min(2 * gap, cap or self.probe_max), gap)
 
     def _decisive(self) -> bool:
         """Drafting is so much faster than target-only rounds were that a probe could not flip the choice (and the
-        probe gap is still short of probe_max)."""
+        probe gap is still short of probe_max_decisive)."""
         rates = self._rates()
-        if rates is None or rates[1] <= 0 or (self.probe_gap or self.probe_every) >= self.probe_max:
+        if rates is None or rates[1] <= 0 or (self.probe_gap or self.probe_every) >= self.probe_max_decisive:
             return False
         drafted, plain = rates
         return drafted >= (1 + self.decisive) * plain

@@ -85,7 +85,7 @@ def test_goodput_gamma_is_averaged_geometrically():
     assert t.gamma == pytest.approx(before ** 0.7 * 8 ** 0.3, rel=1e-6) and t.gamma < 0.2
 
 
-def test_goodput_drafts_provisionally_only_behind_a_branch_likely_accepted_whole():
+def test_goodput_not_pipelined_drafts_provisionally_only_behind_a_branch_likely_accepted_whole():
     right, wrong = GoodputThreshold(), GoodputThreshold()
     assert right.provisional_worth(0.5) and wrong.provisional_worth(0.5)  # nothing measured yet: try it
     for _ in range(10):
@@ -94,6 +94,22 @@ def test_goodput_drafts_provisionally_only_behind_a_branch_likely_accepted_whole
     assert right.provisional_worth(0.3)
     assert not wrong.provisional_worth(0.7)
     assert FixedSize(4).provisional_worth(0.01) and EdgeLLMThreshold().provisional_worth(0.01)
+
+
+def test_goodput_pipelined_drafts_provisionally_whenever_the_branch_pays_for_the_forward_it_may_hold_up():
+    """While pipelined, an accepted branch's provisional forwards are the next tree (pipeline_nodes of them) and a
+    rejected one holds the next round up by half a forward: drafting on pays from a chance of 1 / (2n + 1)."""
+    t = make_trigger("goodput", pipeline=True)
+    for _ in range(10):  # a calibrated draft (gamma ~1) that makes 5 tokens per verification
+        t.observe(RoundOutcome(2, 1, (0.8, 0.4), 2, 100.0, 2, 36.0, pipelined_next=True, verify_ms=90.0))
+    assert t.pipeline_nodes() == 5 and 0.5 < t.gamma < 2
+    low = 0.15 ** (1 / t.gamma)  # a chance of 0.15: not likely accepted whole, yet above 1/11
+    assert not t.likely_whole(low) and t.provisional_worth(low)
+    assert t.should_verify(low, 2)  # (the tree still goes at once: growing it on is not worth a wait)
+    assert not t.provisional_worth(0.05 ** (1 / t.gamma))  # below 1/11: the draft stops
+    for _ in range(10):  # provisional drafting stopped following the committed path: only likely branches
+        t.observe(RoundOutcome(2, 1, (0.8, 0.4), 2, 100.0, 2, 36.0, pipelined_next=False, verify_ms=90.0))
+    assert not t.provisional_worth(low) and t.provisional_worth(0.5 ** (1 / t.gamma))
 
 
 def test_goodput_pipelined_while_provisional_drafting_follows_the_committed_path():
@@ -218,10 +234,10 @@ def test_goodput_lets_the_target_decode_alone_when_drafting_does_not_pay():
     taken = rounds_taken(GoodputThreshold(), good, plain, 60)
     assert taken[:5] == [True, True, True, True, False]
     # the warm-up probe confirms drafting; drafting runs 2x target-only, so the probe due 32 measured rounds later
-    # (round 38; round 5, the first drafted one after the probe, is not measured) is skipped, and the next one,
-    # due at the longest gap, runs
-    taken = rounds_taken(GoodputThreshold(), good, plain, 120)
-    assert [i for i, t in enumerate(taken) if not t] == [4, 102]
+    # (round 38; round 5, the first drafted one after the probe, is not measured) is skipped, and so are the next
+    # ones, the gap doubling (rounds 102, 230, 486), until it reaches probe_max_decisive: then one runs every 512
+    taken = rounds_taken(GoodputThreshold(), good, plain, 2000)
+    assert [i for i, t in enumerate(taken) if not t] == [4, 998, 1512]
 
 
 def test_goodput_runs_probes_whose_outcome_is_not_clear():
