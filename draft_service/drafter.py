@@ -91,9 +91,13 @@ class Drafter:
             return tree, (time.perf_counter() - start) * 1e3
 
     def grow(self, session_id: str, new_token_ids: list[int], committed_length: int, max_nodes: int,
-             control: "GrowthControl", provisional_max: int = 0, features: list[Features] = ()) -> Iterator[GrowthStep]:
+             control: "GrowthControl", provisional_max: int = 0, features: list[Features] = (),
+             given: list[int] = ()) -> Iterator[GrowthStep]:
         """A DraftTree round: the proposer's growth steps (a proposer without ``grow``: its tree, in one step).
-        features: as for ``propose``."""
+        features: as for ``propose``. given: a chain verified in place of a grown tree (a copied span), which the
+        proposer runs and drafts provisionally on from (only proposers that take ``given``)."""
+        if given and not getattr(self.proposer, "grows_from_given", False):
+            raise InvalidArgument(f"draft {self.proposer.name!r} cannot draft on from a given chain")
         session = self._session(session_id)
         with session.turn():  # the next round of this session waits until this one has finished its forward
             self._extend(session_id, session, new_token_ids, committed_length)
@@ -108,8 +112,9 @@ class Drafter:
                                      draft_ms=(time.perf_counter() - start) * 1e3)
                     return
                 nodes = provisional = 0
+                options = {"given": list(given)} if given else {}
                 for step in grow(session_id, session.token_ids, budget, control, provisional_max,
-                                 stop_token_ids=session.stop_token_ids):
+                                 stop_token_ids=session.stop_token_ids, **options):
                     if step.provisional:
                         provisional += len(step.token_ids)
                     else:

@@ -179,8 +179,10 @@ class ModelProposer:
         kvcache.truncate(session.cache, committed)
         return tree
 
+    grows_from_given = True  # grow() takes ``given``: a chain verified in place of a grown tree
+
     def grow(self, session_id: str, token_ids: list[int], max_nodes: int, control: GrowthControl,
-             provisional_max: int = 0, stop_token_ids=()) -> Iterator[GrowthStep]:
+             provisional_max: int = 0, stop_token_ids=(), given: list[int] | None = None) -> Iterator[GrowthStep]:
         """One DraftTree round: stream a width-adaptive tree as it grows, then draft provisionally.
 
         Each yielded step is one draft forward over the whole frontier (tree mask over the draft's KV
@@ -188,6 +190,9 @@ class ModelProposer:
         ``provisional_max`` tokens follow the best verified branch's leaf, one forward each, until the round
         is closed. The cache keeps committed + that path, so next round's committed tokens are mostly cached
         already, and if they ran along the path, the rest of it seeds the next tree with no forward at all.
+        given: the round's tree is this chain (a span the orchestrator copied), not a grown one: the part of it
+        the kept provisional tokens do not already hold is run in one forward, and provisional drafting goes on
+        from its end (``GrowthRound.run``).
         """
         session = self._session(session_id)
         if session.sampling.rejection_sampled:  # trees of draws, each sent with its q: the Propose path's trees
@@ -196,7 +201,7 @@ class ModelProposer:
             return
         committed = len(token_ids)
         slot: dict[int, int] = {}  # node -> its offset in the cache after the committed tokens
-        seed = self._kept_provisional(session, token_ids)
+        seed = self._kept_provisional(session, token_ids, given)
         session.path_tokens, session.path_probs = [], []
         for node in range(len(seed) - 1):
             slot[node] = node  # the cache already holds them, in order, right after the committed tokens
@@ -222,7 +227,7 @@ class ModelProposer:
                              spans=session.spans)
         try:
             yield from round_.run(seed, max_nodes, growth_policy(self.config, stop_token_ids), control,
-                                  provisional_max)
+                                  provisional_max, given=None if given is None else given[len(seed):])
         finally:
             self._keep_path(session, token_ids, round_.tree, slot, round_.leaf)
 
@@ -232,13 +237,17 @@ class ModelProposer:
             session.lookup = SpanLookup(self.config.lookup_min_ngram, self.config.ngram_max)
         return lambda path_tokens: session.lookup.span(token_ids, path_tokens)
 
-    def _kept_provisional(self, session: _ModelSession, token_ids: list[int]) -> list[tuple[int, float]]:
+    def _kept_provisional(self, session: _ModelSession, token_ids: list[int],
+                          given: list[int] | None = None) -> list[tuple[int, float]]:
         """Last round's provisional tokens that continue ``token_ids`` and whose KV (all but the last) is
-        cached right after them; the cache is cut to exactly that. [] when there are none."""
+        cached right after them (as far as they start ``given``, when given); the cache is cut to exactly that.
+        [] when there are none."""
         base, path = session.path_base, session.path_tokens
         if not path or len(token_ids) <= base or session.cached[:base] != token_ids[:base]:
             return []
         kept = reconcile_provisional(token_ids[base:], path)
+        if given is not None:
+            kept = kept[:kvcache.common_length(kept, given)]
         need = list(token_ids) + kept[:-1]
         if not kept or session.cached[: len(need)] != need:
             return []

@@ -135,6 +135,7 @@ class GrowthRound:
         self._top, self._prob = -1, 0.0  # the model's next token at the last leaf _copy looked at, its prob
         self._last_rows: dict[int, torch.Tensor] = {}  # node -> next-token logits [V'], from the latest forward
         self.stop: frozenset[int] = frozenset()  # the round's stop tokens (GrowthPolicy.stop_token_ids)
+        self._finished = True  # growth stopped before the orchestrator verified (``_grow``)
 
     def _logits(self, nodes: list[int]) -> torch.Tensor:
         """Next-token logits of ``nodes`` ([F, V']): one draft forward over those the latest call did not already run
@@ -162,11 +163,13 @@ class GrowthRound:
                 for r in range(len(nodes))]
 
     def run(self, seed: list[tuple[int, float]], max_nodes: int, policy: GrowthPolicy, control: "GrowthControl",
-            provisional_max: int) -> Iterator[GrowthStep]:
+            provisional_max: int, given: list[int] | None = None) -> Iterator[GrowthStep]:
         """Each yielded step is one draft forward over the whole frontier. ``seed``: last round's kept
         provisional (token, prob) path, whose rows but the last the caller has cached in order. Once the
         orchestrator says how many nodes it sent for verification, growth stops and up to
-        ``provisional_max`` tokens follow the best verified branch's leaf, one forward each, until closed."""
+        ``provisional_max`` tokens follow the best verified branch's leaf, one forward each, until closed.
+        given: the round's tree is the seed and then these tokens (a span the orchestrator copied), run in one
+        forward and streamed as one step; nothing is grown."""
         tree = self.tree
         self.stop = policy.stop_token_ids  # a branch ends at one: nothing past it is drafted, copied or drafted ahead
         start = time.perf_counter()
@@ -175,6 +178,33 @@ class GrowthRound:
         if seed:
             yield GrowthStep(0, tuple(tree.token_ids), tuple(tree.parents), tuple(tree.draft_probs),
                              seeded=len(seed), draft_ms=(time.perf_counter() - start) * 1e3)
+        if given is not None:
+            yield from self._given(given)
+            finished = False
+        else:
+            yield from self._grow(seed, max_nodes, policy, control)
+            finished = self._finished
+        if finished:
+            yield GrowthStep(len(tree), (), (), (), done=True)
+        yield from self._provisional(control, provisional_max)
+
+    def _given(self, given: list[int]) -> Iterator[GrowthStep]:
+        """The orchestrator's chain after the seed: one forward over it (its rows are provisional drafting's start)."""
+        tree, first, parent = self.tree, len(self.tree), len(self.tree) - 1
+        for token in given:
+            parent = tree.add(parent, token, LOOKUP_PROB)
+        if len(tree) > first:
+            start = time.perf_counter()
+            self._logits(list(range(first, len(tree))))  # [G, V'] (kept in _last_rows)
+            yield GrowthStep(first, tuple(tree.token_ids[first:]), tuple(tree.parents[first:]),
+                             tuple(tree.draft_probs[first:]), draft_ms=(time.perf_counter() - start) * 1e3)
+
+    def _grow(self, seed: list[tuple[int, float]], max_nodes: int, policy: GrowthPolicy,
+              control: "GrowthControl") -> Iterator[GrowthStep]:
+        """The round's own tree: a copied span first where the model agrees with one, then width-adaptive growth
+        until the orchestrator verifies (``_finished``: the tree stopped growing first)."""
+        tree = self.tree
+        start = time.perf_counter()
         frontier = len(seed) - 1
         copied = [] if seed else self._copy(-1, max_nodes)  # [C] node ids
         if copied:  # a copied span first (a code edit's unchanged lines): one step, one forward over the span
@@ -182,16 +212,18 @@ class GrowthRound:
             yield GrowthStep(0, tuple(tree.token_ids), tuple(tree.parents), tuple(tree.draft_probs),
                              draft_ms=(time.perf_counter() - start) * 1e3)
             start = time.perf_counter()
-        finished = True
+        self._finished = True
         for step in grow_tree(self._expand, max_nodes, policy, tree=tree, frontier=[frontier]):
             if control.verifying is not None or control.closed:
-                finished = False  # the verifier already has fewer nodes than this forward made
+                self._finished = False  # the verifier already has fewer nodes than this forward made
                 break
             yield GrowthStep(step.first, step.token_ids, step.parents, step.draft_probs,
                              draft_ms=(time.perf_counter() - start) * 1e3)
             start = time.perf_counter()  # not counting the time the consumer held us at the yield
-        if finished:
-            yield GrowthStep(len(tree), (), (), (), done=True)
+
+    def _provisional(self, control: "GrowthControl", provisional_max: int) -> Iterator[GrowthStep]:
+        """Once told how many nodes were verified: up to ``provisional_max`` tokens after the best verified leaf."""
+        tree = self.tree
         control.wait()
         num_verified = control.verifying if control.verifying is not None else 0
         leaf = self.leaf = best_leaf(tree, num_verified)

@@ -71,7 +71,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         threading.Thread(target=read_rest, daemon=True, name="draft-tree-requests").start()
         for step in self.drafter.grow(propose.session_id, list(propose.new_token_ids), propose.committed_length,
                                       propose.max_nodes, control, start.provisional_max,
-                                      [features_from_pb(f) for f in propose.features]):
+                                      [features_from_pb(f) for f in propose.features], list(start.given_token_ids)):
             yield growth_to_pb(step)
 
     @grpc_errors

@@ -179,13 +179,14 @@ class DraftMixin:
         fresh = not ahead  # no kept provisional tokens: the verifier waits for this tree's every node
         if session.state.draft_down_until:  # the draft failed earlier and its pause is over: start it again
             self._restart_draft(session)
-        # A draft that copies spans (half+ngram): a span prompt lookup finds is verified as it is, with no draft call (a
+        # A draft that copies spans (half+ngram): a span prompt lookup finds is verified as it is, not the draft's tree (a
         # code edit's unchanged lines), while such spans are mostly right, or when it continues last round's kept
-        # provisional tokens (the draft's own, which vouch for it) further than they go (a copied round stops the pipeline).
+        # provisional tokens (the draft's own, which vouch for it) further than they go (the draft drafts on from its end).
         span = self._lookup_span(session, remaining, pipelined=bool(ahead))  # [S]
         copied = use_span(span, [t for t, _ in ahead], session.copy_hits)
         bridge = not copied and not ahead and use_bridge(session.since_copy, session.behind)
         session.since_copy = 0 if copied else session.since_copy + 1
+        vouched = copied and bool(ahead)  # the span goes on from last round's kept provisional tokens
         if copied:
             ahead = []
         if copied or bridge or session.state.draft_down_until or not trigger.wants_draft():
@@ -198,20 +199,16 @@ class DraftMixin:
             parent = -1
             for token in span:
                 parent = tree.add(parent, token, LOOKUP_PROB)
+            # A span going on from the kept provisional tokens (the draft's own tokens vouch for its start) does not stop
+            # the pipeline: the draft runs it and drafts on from its end while it is verified, as under any tree.
+            # (Under every copied span, edit points' too, the draft's work past spans broken early was waste and held
+            # up the next round: code edits 0.91x / 0.99x of this rule at RTT 0 / 50; README "Drafting on under".)
+            if vouched and trigger.drafting and not session.state.draft_down_until:
+                start.stream = self._open_stream(session, len(span), wait_s, given=span)
         elif max_nodes > 0:
-            try:
-                start.stream = session.draft.draft_tree(session.id, session.unsent, len(session.token_ids), max_nodes,
-                                                        self.config.provisional_max,
-                                                        timeout=wait_s + self.config.verify_timeout_s +
-                                                        self.config.draft_timeout_s,
-                                                        features=session.features)
-            except RpcError as err:
-                self._draft_failed(session, err)
-                return start
-            session.unsent = []
-            session.features = []
-            if ahead:  # last round's kept provisional tokens: verified at once if the trigger says so
-                parent = -1
+            start.stream = self._open_stream(session, max_nodes, wait_s)
+            if start.stream is not None and ahead:  # last round's kept provisional tokens: verified at once if the
+                parent = -1                           # trigger says so
                 for token, prob in ahead[:max_nodes]:
                     parent = tree.add(parent, token, prob)
                 if trigger.should_verify(tree.confidence[parent], len(tree), kept=True) and \
@@ -222,6 +219,19 @@ class DraftMixin:
                 else:
                     start.tree = GrowingTree()  # the draft's stream brings them, and grows on
         return start
+
+    def _open_stream(self, session: LiveSession, max_nodes: int, wait_s: float, given: list[int] = ()):
+        """The draft's DraftTree stream for a round (None: the draft failed); given: the round's tree is this chain."""
+        try:
+            stream = session.draft.draft_tree(session.id, session.unsent, len(session.token_ids), max_nodes,
+                                              self.config.provisional_max, features=session.features, given=given,
+                                              timeout=wait_s + self.config.verify_timeout_s + self.config.draft_timeout_s)
+        except RpcError as err:
+            self._draft_failed(session, err)
+            return None
+        session.unsent = []
+        session.features = []
+        return stream
 
     def _open_first_round(self, session: LiveSession) -> None:
         """Open a new session's first streamed round before the verifier's prefill: the draft (its own prefill started
@@ -271,7 +281,7 @@ class DraftMixin:
             try:
                 # The first step may wait for the previous round's last forward and catch up on many tokens.
                 timeout = self.config.draft_timeout_s * 5
-                while not ahead:
+                while not ahead and not copied:
                     step = stream.next(timeout=timeout)
                     timeout = self.config.draft_timeout_s
                     if step is None or step.provisional:
@@ -300,7 +310,8 @@ class DraftMixin:
         leaf = best_leaf(tree)  # provisional drafting continues the branch ending here
         if stream is not None:
             stream.verifying(len(tree))  # growth stops; provisional drafting starts under the verification
-            if not self.config.provisional_max or (leaf >= 0 and not trigger.provisional_worth(tree.confidence[leaf])):
+            if not self.config.provisional_max or (leaf >= 0 and not copied and
+                                                   not trigger.provisional_worth(tree.confidence[leaf])):
                 stream.close()  # the draft stops after its current forward
         token_tree = TokenTree(tuple(tree.token_ids), tuple(tree.parents), tuple(tree.draft_probs))
         after_prefill = session.prefill is not None  # the call waits for the prompt's prefill too
@@ -317,7 +328,7 @@ class DraftMixin:
         try:
             arrived = stream.ready() if stream is not None else []
             under = [s.draft_ms for s in arrived if s.provisional and s.draft_ms > 0]
-            if not ahead or _draft_seeded(arrived, tree.token_ids):  # else the draft went on from another leaf
+            if not (ahead or copied) or _draft_seeded(arrived, tree.token_ids, copied):  # else: from another leaf
                 provisional = [(t, q) for s in arrived if s.provisional for t, q in zip(s.token_ids, s.draft_probs)]
         except RpcError:
             pass
@@ -414,11 +425,12 @@ class DraftMixin:
         traced_thread(end, f"specsplit-draft-end-{session_id}")
 
 
-def _draft_seeded(steps, token_ids) -> bool:
-    """Whether the draft's round began with the tree the orchestrator sent (a pipelined round): its seeded
-    step starts with those tokens, so its provisional tokens continue that tree's leaf."""
-    seeds = [s for s in steps if s.seeded]
-    return bool(seeds) and tuple(seeds[0].token_ids[: len(token_ids)]) == tuple(token_ids)
+def _draft_seeded(steps, token_ids, given: bool = False) -> bool:
+    """Whether the draft's round began with the tree the orchestrator sent (a pipelined round: its seeded step starts
+    with those tokens; given, a copied span's: its seeded step and the span's, its only ones before the provisional
+    ones, hold them), so its provisional tokens continue that tree's leaf."""
+    drafted = [t for s in steps if (s.seeded or given) and not s.provisional for t in s.token_ids]  # [D]
+    return len(drafted) >= len(token_ids) > 0 and tuple(drafted[: len(token_ids)]) == tuple(token_ids)
 
 
 def _is_refusal(err) -> bool:
@@ -430,7 +442,7 @@ class RoundStart:
     """A streamed round as ``_open_round`` left it, before the draft's steps are read."""
 
     span: list[int]  # [S] what prompt lookup copies (the tree, when ``copied``)
-    copied: bool  # the tree is that span, no draft involved
+    copied: bool  # the tree is that span, not the draft's (which may draft on from its end: ``stream``)
     fresh: bool  # no kept provisional tokens to start from
     max_nodes: int  # the draft's node budget this round (0: no draft model)
     started: float  # perf_counter() at the round's start

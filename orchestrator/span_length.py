@@ -1,13 +1,14 @@
 """How much of a copied span to verify: the goodput model of prompt lookup's spans.
 
-A copied span (a code edit's unchanged lines, ``specsplit.lookup``) is verified with no draft call, so what it
-costs is the verification: one call whose time grows with the tree's nodes (a fixed part for the call, the network
-and the target's pass over its cache, and a part per node, ``VerifyCost``), and past the first token the target
-disagrees with, the rest of the span is waste. Its first token is right with one chance while the copy is on track
-(the round before was a span accepted whole) and with another after anything else (an edit point is often just
-behind), each later token with a chance of its own (``SpanChances``). With p0 and p those chances, a span of n nodes
-commits 1 + p0 (1 - p^n) / (1 - p) tokens in expectation (the accepted prefix, then the target's own token) for a
-call of fixed + per_node · n ms; ``span_nodes`` cuts the span at the n with the most tokens per ms.
+A copied span (a code edit's unchanged lines, ``specsplit.lookup``) is verified as it is, not a tree the draft grew
+(the draft at most drafts on from its end meanwhile), so what it costs is the verification: one call whose time
+grows with the tree's nodes (a fixed part for the call, the network and the target's pass over its cache, and a part
+per node, ``VerifyCost``), and past the first token the target disagrees with, the rest of the span is waste. Its
+first token is right with one chance while the copy is on track (the round before was a span accepted whole) and
+with another after anything else (an edit point is often just behind), each later token with a chance of its own
+(``SpanChances``). With p0 and p those chances, a span of n nodes commits 1 + p0 (1 - p^n) / (1 - p) tokens in
+expectation (the accepted prefix, then the target's own token) for a call of fixed + per_node · n ms; ``span_nodes``
+cuts the span at the n with the most tokens per ms.
 
 Where a verification's cost hardly grows with its nodes (a GPU verifier, a slow network) that is the whole span;
 where it does (a CPU verifier: 44 ms for one token, 105 ms for 16 and 140 ms for 32 measured on a 2-core Xeon) a

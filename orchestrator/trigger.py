@@ -24,7 +24,7 @@ How α moves is the policy:
   makes during one verification (``pipeline_nodes``: those forwards run while the verifier works).
 - ``FixedSize``: verify once the tree has ``size`` nodes (the comparison baseline).
 
-Each also says how long a copied span (prompt lookup's, verified with no draft call) goes out: ``span_nodes``. All
+Each also says how long a copied span (prompt lookup's, verified as it is) goes out: ``span_nodes``. All
 three are pure and driven by ``observe(RoundOutcome)``.
 """
 
@@ -72,7 +72,7 @@ class RoundOutcome:
     plain: bool = False  # nothing was drafted: the target decoded alone (a decode burst: committed >= 1)
     pipelined_next: bool = False  # provisional drafting followed the committed path: what it made past it is kept
     verify_ms: float = 0.0  # the verification call as the orchestrator saw it (network included)
-    copied: bool = False  # the tree was a span prompt lookup copied, no draft involved: says nothing of the draft
+    copied: bool = False  # the tree was a span prompt lookup copied, not the draft's: says nothing of the draft
     provisional_steps: int = 0  # draft forwards during the verification (provisional drafting) that arrived in time
     provisional_ms: float = 0.0  # their time as the draft measured it
     nodes: int = 0  # the verified tree's nodes (0: none, a target-only round)
@@ -90,6 +90,7 @@ def leaves_stub(num_nodes: int, max_nodes: int, remaining: int) -> bool:
 class FixedSize:
     size: int = 16
     alpha: float = 0.0  # not used: kept so every trigger reports an α
+    drafting: bool = True  # the kind of round preferred: always drafted (see GoodputThreshold.drafting)
 
     def should_verify(self, confidence: float, num_nodes: int, fresh: bool = False, kept: bool = False) -> bool:
         return num_nodes >= self.size
@@ -119,6 +120,7 @@ class FixedSize:
 @dataclass
 class EdgeLLMThreshold:
     alpha: float = 0.01  # the paper's starting value
+    drafting: bool = True  # the kind of round preferred: always drafted (see GoodputThreshold.drafting)
 
     def should_verify(self, confidence: float, num_nodes: int, fresh: bool = False, kept: bool = False) -> bool:
         return confidence < self.alpha
@@ -341,7 +343,7 @@ class GoodputThreshold:
     def observe(self, outcome: RoundOutcome) -> None:
         if outcome.verify_ms > 0 and not outcome.after_prefill and (outcome.nodes or outcome.committed == 1):
             self.cost.observe(outcome.nodes, outcome.verify_ms)  # (not a decode burst: many forwards in one call)
-        if outcome.copied:  # neither kind of round; the draft skipped its tokens
+        if outcome.copied:  # neither kind of round; the draft skipped its tokens (or ran them in one forward)
             self.spans.observe(outcome.nodes, outcome.num_accepted)
             self.resync = True
             return

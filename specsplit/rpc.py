@@ -373,12 +373,14 @@ class RemoteDraft:
         return tree_from_pb(r.tree), r.draft_ms
 
     def draft_tree(self, session_id: str, new_token_ids: list[int], committed_length: int, max_nodes: int,
-                   provisional_max: int, timeout: float, features: list[Features] = ()) -> "TreeStream":
+                   provisional_max: int, timeout: float, features: list[Features] = (),
+                   given: list[int] = ()) -> "TreeStream":
+        """given: the chain verified this round in place of a grown tree (DraftTreeStart.given_token_ids)."""
         start = draft_pb2.DraftTreeStart(
             propose=draft_pb2.ProposeRequest(session_id=session_id, new_token_ids=new_token_ids,
                                              committed_length=committed_length, max_nodes=max_nodes,
                                              features=[features_to_pb(f) for f in features]),
-            provisional_max=provisional_max)
+            provisional_max=provisional_max, given_token_ids=list(given))
         return TreeStream(self.stub, start, timeout)
 
     def end(self, session_id: str, timeout: float) -> None:

@@ -88,12 +88,14 @@ class DraftTreeRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[DraftTreeStart, _Mapping]] = ..., verifying: _Optional[int] = ...) -> None: ...
 
 class DraftTreeStart(_message.Message):
-    __slots__ = ("propose", "provisional_max")
+    __slots__ = ("propose", "provisional_max", "given_token_ids")
     PROPOSE_FIELD_NUMBER: _ClassVar[int]
     PROVISIONAL_MAX_FIELD_NUMBER: _ClassVar[int]
+    GIVEN_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     propose: ProposeRequest
     provisional_max: int
-    def __init__(self, propose: _Optional[_Union[ProposeRequest, _Mapping]] = ..., provisional_max: _Optional[int] = ...) -> None: ...
+    given_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, propose: _Optional[_Union[ProposeRequest, _Mapping]] = ..., provisional_max: _Optional[int] = ..., given_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TreeGrowth(_message.Message):
     __slots__ = ("first", "token_ids", "parents", "draft_probs", "provisional", "done", "seeded", "draft_ms")

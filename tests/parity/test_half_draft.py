@@ -8,6 +8,7 @@ model thread with their own torch thread count.
 
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -242,3 +243,39 @@ def test_target_only_rounds_follow_a_copied_span_only_when_the_draft_is_far_behi
         assert after == ["none"] * COPY_BRIDGE_ROUNDS + ["half+ngram"]
     else:
         assert after[0] == "half+ngram"
+
+
+def test_the_draft_drafts_on_under_a_copied_span_and_the_next_round_is_pipelined(target, target_dir, monkeypatch):
+    """half+ngram with provisional drafting: a copied span's round opens the draft's stream with the span as its
+    given chain, so the draft runs it and drafts on from its end while the verifier checks it. After the last copied
+    span the next round starts from the kept provisional tokens (pipelined), with no target-only bridge rounds (the
+    draft never fell behind), and every token is HF greedy's."""
+    from specsplit.lookup import SpanLookup
+
+    prompt = PROMPTS[1]
+    greedy = hf_greedy(target.model, prompt, 96)
+
+    class RightSpans(SpanLookup):  # the orchestrator's lookup finds HF greedy's next 16 tokens for a while
+        def span(self, token_ids, drafted=(), max_len=None):
+            n = len(token_ids) - len(prompt)
+            return list(greedy[n:n + 16]) if 4 <= n < 40 else []
+
+    from orchestrator.generation import Orchestrator
+
+    verify = Orchestrator._verify
+
+    def far_verify(self, *args, **kwargs):  # a verifier 50 ms away: time for the draft to draft on meanwhile
+        time.sleep(0.05)
+        return verify(self, *args, **kwargs)
+
+    monkeypatch.setattr("orchestrator.drafts.SpanLookup", RightSpans)
+    monkeypatch.setattr(Orchestrator, "_verify", far_verify)
+    proposer = make_proposer("half+ngram", device="cpu", target_model=str(target_dir), config=DraftConfig(threads=1))
+    config = OrchestratorConfig(trigger="fixed", fixed_tree_nodes=16, tree_max_nodes=16, provisional_max=8)
+    with start_stack(target, [proposer], orchestrator_config=config) as stack:
+        tokens, stats = run(stack, prompt, 96, "half+ngram")
+    assert tokens == greedy
+    generated = [sum(s.num_committed for s in stats[:i]) for i in range(len(stats))]  # before each round
+    after = next(i for i, n in enumerate(generated) if n >= 40)  # the first round past the copied spans
+    assert all(s.drafter == "half+ngram" for s in stats)  # no round left to the target alone
+    assert stats[after].provisional_kept > 0  # seeded by what the draft drafted under the last copied span

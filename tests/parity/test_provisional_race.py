@@ -177,6 +177,52 @@ def test_growth_past_the_verified_nodes_is_the_first_provisional_tokens(model):
     assert tokens_of([s for s in steps2 if not s.provisional]) == greedy[4:8]
 
 
+def test_a_given_chain_is_run_in_one_forward_and_drafting_goes_on_from_its_end(model):
+    """A span the orchestrator copied and verifies (DraftTree's given chain): the kept provisional tokens it starts
+    with stay seeds, the rest of it is run in one forward and sent as one step, and provisional drafting goes on from
+    its end, its first token from that forward; a chain that leaves the seeds drops them (the KV behind the
+    provisional tokens right either way: they are the target's greedy continuation of the chain)."""
+    greedy = hf_greedy(model.model, PROMPT, 24)
+    proposer = chain_proposer(model)
+    control = GrowthControl()
+    for step in proposer.grow("s", PROMPT, 4, control, provisional_max=3):
+        if step.done:
+            control.verify(4)
+        if step.provisional and step.first == 6:
+            control.close()
+    assert proposer._sessions["s"].path_tokens == greedy[:7]
+    committed = PROMPT + greedy[:5]  # all 4 accepted + the bonus token: greedy[5:7] are seeds
+    real_expand = proposer._expand
+    calls = []
+    proposer._expand = lambda *args: calls.append(list(args[-1])) or real_expand(*args)
+
+    def given_round(given):
+        control = GrowthControl()
+        control.verify(len(given))  # the orchestrator verifies the chain at once
+        steps = []
+        for step in proposer.grow("s", committed, len(given), control, provisional_max=3, given=given):
+            steps.append(step)
+            if len([s for s in steps if s.provisional]) == 3:
+                control.close()
+        return steps
+
+    steps = given_round(greedy[5:12])
+    assert steps[0].seeded == 2 and steps[0].token_ids == tuple(greedy[5:7])
+    assert steps[1].first == 2 and steps[1].token_ids == tuple(greedy[7:12]) and not steps[1].provisional
+    assert tokens_of([s for s in steps if s.provisional]) == greedy[12:15]
+    assert len(calls) == 3  # the chain (with the last seed), then two provisional tokens past its end's
+    assert proposer._sessions["s"].path_tokens == greedy[5:15]
+
+    committed = PROMPT + greedy[:12] + greedy[12:14]  # the next round: the chain's and 2 more, accepted
+    calls.clear()
+    other = [(greedy[14] + 1) % 300, 7, 9]  # a chain that leaves the seed (greedy[14]) at once
+    steps = given_round(other)
+    assert all(s.seeded == 0 for s in steps) and steps[0].token_ids == tuple(other)
+    assert tokens_of([s for s in steps if s.provisional]) == hf_greedy(model.model, committed + other, 3)
+    session = proposer._sessions["s"]
+    assert kvcache.cache_length(session.cache) == len(session.cached)
+
+
 def copied_round(proposer, session_id, span, after, provisional_max):
     """A round of 2 verified nodes whose lookup finds ``span`` after the path ``after`` (nothing elsewhere):
     its provisional steps."""

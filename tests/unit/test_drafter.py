@@ -71,3 +71,12 @@ def test_a_round_that_does_not_continue_the_session_fails_at_once():
     assert time.perf_counter() - start < 1.0
     run_round(drafter, [7], len(PROMPT) + 1)
     assert drafter._sessions["s"].token_ids == [*PROMPT, 7]
+
+
+def test_a_given_chain_is_refused_by_a_draft_that_cannot_draft_on_from_one():
+    """DraftTree's given_token_ids (a copied span the orchestrator verifies) needs a model draft; the n-gram draft
+    refuses it with a clear error instead of ignoring it."""
+    from specsplit.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="given chain"):
+        list(started().grow("s", [], len(PROMPT), 4, GrowthControl(), given=[5, 6]))
