@@ -199,10 +199,11 @@ class DraftMixin:
             parent = -1
             for token in span:
                 parent = tree.add(parent, token, LOOKUP_PROB)
-            # A span going on from the kept provisional tokens (the draft's own tokens vouch for its start) does not stop
-            # the pipeline: the draft runs it and drafts on from its end while it is verified, as under any tree.
+            # A span going on from the kept provisional tokens (the draft's own tokens vouch for its start) does not
+            # stop the pipeline: the draft runs it and drafts on from its end while it is verified, as under any tree.
             # (Under every copied span, edit points' too, the draft's work past spans broken early was waste and held
-            # up the next round: code edits 0.91x / 0.99x of this rule at RTT 0 / 50; README "Drafting on under".)
+            # up the next round: code edits 0.91x / 0.99x of this rule at RTT 0 / 50; README "Where the draft's time
+            # goes".)
             if vouched and trigger.drafting and not session.state.draft_down_until:
                 start.stream = self._open_stream(session, len(span), wait_s, given=span)
         elif max_nodes > 0:
