@@ -207,6 +207,16 @@ def test_a_verifier_beside_a_draft_process_gets_the_cores_the_draft_leaves(targe
         assert alone.verifier_engine.config.threads == 0
 
 
+def run_copying(target, target_dir, prompt, provisional_max):
+    """96 tokens of a half+ngram session, trees and copied spans of 16 (a fixed size copies spans of its size): its
+    tokens, round stats, and the tokens generated before each round."""
+    proposer = make_proposer("half+ngram", device="cpu", target_model=str(target_dir), config=DraftConfig(threads=1))
+    config = OrchestratorConfig(trigger="fixed", fixed_tree_nodes=16, tree_max_nodes=16, provisional_max=provisional_max)
+    with start_stack(target, [proposer], orchestrator_config=config) as stack:
+        tokens, stats = run(stack, prompt, 96, "half+ngram")
+    return tokens, stats, [sum(s.num_committed for s in stats[:i]) for i in range(len(stats))]
+
+
 @pytest.mark.parametrize("case", ["chance match", "edit point"])
 def test_target_only_rounds_follow_a_copied_span_only_when_the_draft_is_far_behind(target, target_dir, monkeypatch,
                                                                                     case):
@@ -228,13 +238,9 @@ def test_target_only_rounds_follow_a_copied_span_only_when_the_draft_is_far_behi
             return list(spans[0][1])
 
     monkeypatch.setattr("orchestrator.drafts.SpanLookup", OneSpan)  # the orchestrator's (the draft's own is as it is)
-    proposer = make_proposer("half+ngram", device="cpu", target_model=str(target_dir), config=DraftConfig(threads=1))
     # a fixed size copies spans of its size; no provisional tokens: none vouch for a span
-    config = OrchestratorConfig(trigger="fixed", fixed_tree_nodes=16, tree_max_nodes=16, provisional_max=0)
-    with start_stack(target, [proposer], orchestrator_config=config) as stack:
-        tokens, stats = run(stack, prompt, 96, "half+ngram")
+    tokens, stats, generated = run_copying(target, target_dir, prompt, provisional_max=0)
     assert tokens == greedy
-    generated = [sum(s.num_committed for s in stats[:i]) for i in range(len(stats))]  # before each round
     copied = generated.index(spans[0][0])  # the round the span was looked up for
     assert stats[copied].num_draft_tokens == 16
     assert stats[copied].num_accepted == (16 if case == "edit point" else 0)
@@ -270,12 +276,8 @@ def test_the_draft_drafts_on_under_a_copied_span_and_the_next_round_is_pipelined
 
     monkeypatch.setattr("orchestrator.drafts.SpanLookup", RightSpans)
     monkeypatch.setattr(Orchestrator, "_verify", far_verify)
-    proposer = make_proposer("half+ngram", device="cpu", target_model=str(target_dir), config=DraftConfig(threads=1))
-    config = OrchestratorConfig(trigger="fixed", fixed_tree_nodes=16, tree_max_nodes=16, provisional_max=8)
-    with start_stack(target, [proposer], orchestrator_config=config) as stack:
-        tokens, stats = run(stack, prompt, 96, "half+ngram")
+    tokens, stats, generated = run_copying(target, target_dir, prompt, provisional_max=8)
     assert tokens == greedy
-    generated = [sum(s.num_committed for s in stats[:i]) for i in range(len(stats))]  # before each round
     after = next(i for i, n in enumerate(generated) if n >= 40)  # the first round past the copied spans
     assert all(s.drafter == "half+ngram" for s in stats)  # no round left to the target alone
     assert stats[after].provisional_kept > 0  # seeded by what the draft drafted under the last copied span

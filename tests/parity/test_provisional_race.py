@@ -31,6 +31,16 @@ def tokens_of(steps):
     return [t for s in steps for t in s.token_ids]
 
 
+def first_round(proposer, verified, provisional_max):
+    """The session's first round: its first ``verified`` nodes verified, then ``provisional_max`` provisional tokens."""
+    control = GrowthControl()
+    for step in proposer.grow("s", PROMPT, verified, control, provisional_max=provisional_max):
+        if step.done:
+            control.verify(verified)
+        if step.provisional and step.first == verified + provisional_max - 1:
+            control.close()
+
+
 def whole_tree_round(proposer, committed, max_nodes):
     """A round whose whole tree is verified (no provisional tokens)."""
     control = GrowthControl()
@@ -120,12 +130,7 @@ def test_seeds_past_the_verified_prefix_are_the_first_provisional_tokens(model):
     of them continue that prefix's end, so they come back as provisional tokens without a forward."""
     greedy = hf_greedy(model.model, PROMPT, 24)
     proposer = chain_proposer(model)
-    control = GrowthControl()
-    for step in proposer.grow("s", PROMPT, 4, control, provisional_max=4):
-        if step.done:
-            control.verify(4)
-        if step.provisional and step.first == 7:
-            control.close()
+    first_round(proposer, 4, 4)
     assert proposer._sessions["s"].path_tokens == greedy[:8]
     committed = PROMPT + greedy[:5]  # all 4 accepted + the bonus token: greedy[5:8] are seeds next round
     real_expand = proposer._expand
@@ -184,12 +189,7 @@ def test_a_given_chain_is_run_in_one_forward_and_drafting_goes_on_from_its_end(m
     provisional tokens right either way: they are the target's greedy continuation of the chain)."""
     greedy = hf_greedy(model.model, PROMPT, 24)
     proposer = chain_proposer(model)
-    control = GrowthControl()
-    for step in proposer.grow("s", PROMPT, 4, control, provisional_max=3):
-        if step.done:
-            control.verify(4)
-        if step.provisional and step.first == 6:
-            control.close()
+    first_round(proposer, 4, 3)
     assert proposer._sessions["s"].path_tokens == greedy[:7]
     committed = PROMPT + greedy[:5]  # all 4 accepted + the bonus token: greedy[5:7] are seeds
     real_expand = proposer._expand
