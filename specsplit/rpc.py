@@ -374,8 +374,7 @@ class RemoteDraft:
 
     def draft_tree(self, session_id: str, new_token_ids: list[int], committed_length: int, max_nodes: int,
                    provisional_max: int, timeout: float, features: list[Features] = (),
-                   given: list[int] = ()) -> "TreeStream":
-        """given: the chain verified this round in place of a grown tree (DraftTreeStart.given_token_ids)."""
+                   given: list[int] = ()) -> "TreeStream":  # given: DraftTreeStart.given_token_ids
         start = draft_pb2.DraftTreeStart(
             propose=draft_pb2.ProposeRequest(session_id=session_id, new_token_ids=new_token_ids,
                                              committed_length=committed_length, max_nodes=max_nodes,
