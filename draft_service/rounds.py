@@ -8,7 +8,7 @@ the Propose path; ``draft_sampling`` how a draft samples for a session.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Protocol
 
 import torch
@@ -135,7 +135,6 @@ class GrowthRound:
         self._top, self._prob = -1, 0.0  # the model's next token at the last leaf _copy looked at, its prob
         self._last_rows: dict[int, torch.Tensor] = {}  # node -> next-token logits [V'], from the latest forward
         self.stop: frozenset[int] = frozenset()  # the round's stop tokens (GrowthPolicy.stop_token_ids)
-        self._finished = True  # growth stopped before the orchestrator verified (``_grow``)
 
     def _logits(self, nodes: list[int]) -> torch.Tensor:
         """Next-token logits of ``nodes`` ([F, V']): one draft forward over those the latest call did not already run
@@ -180,10 +179,9 @@ class GrowthRound:
                              seeded=len(seed), draft_ms=(time.perf_counter() - start) * 1e3)
         if given is not None:
             yield from self._given(given)
-            finished = False
+            finished = False  # nothing grows
         else:
-            yield from self._grow(seed, max_nodes, policy, control)
-            finished = self._finished
+            finished = yield from self._grow(seed, max_nodes, policy, control)
         if finished:
             yield GrowthStep(len(tree), (), (), (), done=True)
         yield from self._provisional(control, provisional_max)
@@ -200,9 +198,9 @@ class GrowthRound:
                              tuple(tree.draft_probs[first:]), draft_ms=(time.perf_counter() - start) * 1e3)
 
     def _grow(self, seed: list[tuple[int, float]], max_nodes: int, policy: GrowthPolicy,
-              control: "GrowthControl") -> Iterator[GrowthStep]:
+              control: "GrowthControl") -> Generator[GrowthStep, None, bool]:
         """The round's own tree: a copied span first where the model agrees with one, then width-adaptive growth
-        until the orchestrator verifies (``_finished``: the tree stopped growing first)."""
+        until the orchestrator verifies. Returns whether the tree stopped growing first."""
         tree = self.tree
         start = time.perf_counter()
         frontier = len(seed) - 1
@@ -212,14 +210,13 @@ class GrowthRound:
             yield GrowthStep(0, tuple(tree.token_ids), tuple(tree.parents), tuple(tree.draft_probs),
                              draft_ms=(time.perf_counter() - start) * 1e3)
             start = time.perf_counter()
-        self._finished = True
         for step in grow_tree(self._expand, max_nodes, policy, tree=tree, frontier=[frontier]):
             if control.verifying is not None or control.closed:
-                self._finished = False  # the verifier already has fewer nodes than this forward made
-                break
+                return False  # the verifier already has fewer nodes than this forward made
             yield GrowthStep(step.first, step.token_ids, step.parents, step.draft_probs,
                              draft_ms=(time.perf_counter() - start) * 1e3)
             start = time.perf_counter()  # not counting the time the consumer held us at the yield
+        return True
 
     def _provisional(self, control: "GrowthControl", provisional_max: int) -> Iterator[GrowthStep]:
         """Once told how many nodes were verified: up to ``provisional_max`` tokens after the best verified leaf."""
