@@ -135,6 +135,7 @@ class GrowthRound:
         self._top, self._prob = -1, 0.0  # the model's next token at the last leaf _copy looked at, its prob
         self._last_rows: dict[int, torch.Tensor] = {}  # node -> next-token logits [V'], from the latest forward
         self.stop: frozenset[int] = frozenset()  # the round's stop tokens (GrowthPolicy.stop_token_ids)
+        self.from_root = False  # the round had no seeds (set by run)
 
     def _logits(self, nodes: list[int]) -> torch.Tensor:
         """Next-token logits of ``nodes`` ([F, V']): one draft forward over those the latest call did not already run
@@ -172,6 +173,7 @@ class GrowthRound:
         tree = self.tree
         self.stop = policy.stop_token_ids  # a branch ends at one: nothing past it is drafted, copied or drafted ahead
         start = time.perf_counter()
+        self.from_root = not seed  # nothing verified: provisional drafting may start at the committed tokens
         for token, prob in seed:
             tree.add(len(tree) - 1, token, prob)
         if seed:
@@ -219,10 +221,14 @@ class GrowthRound:
         return True
 
     def _provisional(self, control: "GrowthControl", provisional_max: int) -> Iterator[GrowthStep]:
-        """Once told how many nodes were verified: up to ``provisional_max`` tokens after the best verified leaf."""
+        """Once told how many nodes were verified: up to ``provisional_max`` tokens after the best verified leaf. None
+        verified (a span the orchestrator copied, or a round with no tree, went to the verifier instead): from the
+        committed tokens themselves, one token a forward and no copied span (the verifier is checking the
+        orchestrator's), in a round that had no seeds (``from_root``: the root's next-token row is the catch-up's)."""
         tree = self.tree
         control.wait()
         num_verified = control.verifying if control.verifying is not None else 0
+        from_root = self.from_root and control.verifying == 0
         leaf = self.leaf = best_leaf(tree, num_verified)
         # Nodes past the verified ones that continue the best verified branch's leaf as a chain are this round's
         # first provisional tokens, already drafted: seeds past a verified prefix (a pipelined round), or what
@@ -234,18 +240,27 @@ class GrowthRound:
             yield GrowthStep(node, (tree.token_ids[node],), (tree.parents[node],), (tree.draft_probs[node],),
                              provisional=True)
         drafted = len(ahead)
-        while (drafted < provisional_max and leaf >= 0 and tree.token_ids[leaf] not in self.stop
+        while (drafted < provisional_max and (tree.token_ids[leaf] not in self.stop if leaf >= 0 else from_root)
                and not control.closed):
-            start, ran = time.perf_counter(), leaf not in self._last_rows  # a step with no forward reports 0 ms
+            # a step with no forward reports 0 ms (the root's row is the catch-up forward's, which ran before)
+            start, ran = time.perf_counter(), leaf >= 0 and leaf not in self._last_rows
             row = self._last_rows[leaf] if leaf in self._last_rows else self._logits([leaf])[0]  # [V']
             first = len(tree)
-            copied = self._copy(leaf, provisional_max - drafted, row)  # [C] node ids: a vetted prompt-lookup span
+            # [C] node ids: a vetted prompt-lookup span (none on a chain from the root: the verifier checks one there)
+            copied = self._next(row) if from_root else self._copy(leaf, provisional_max - drafted, row)
             nodes = copied or [tree.add(leaf, self._top, self._prob)]
             leaf = self.leaf = nodes[-1]
             drafted += len(nodes)
             yield GrowthStep(first, tuple(tree.token_ids[first:]), tuple(tree.parents[first:]),
                              tuple(tree.draft_probs[first:]), provisional=True,
                              draft_ms=(time.perf_counter() - start) * 1e3 if ran or copied else 0.0)
+
+    def _next(self, row: torch.Tensor) -> list[int]:
+        """The model's next token after a node whose next-token logits are ``row`` ([V']) and its probability, into
+        ``_top``/``_prob``; [] (no nodes added)."""
+        prob, index = row.softmax(dim=-1).max(dim=-1)
+        self._top, self._prob = self._token(int(index)), float(prob)
+        return []
 
     def _copy(self, leaf: int, limit: int, row: torch.Tensor | None = None) -> list[int]:
         """Prompt lookup's continuation after ``leaf`` (-1: the root), at most ``limit`` tokens, as far as the model
@@ -265,9 +280,7 @@ class GrowthRound:
         span = until_stop(self.lookup(path), self.stop)[:limit] if self.lookup is not None else []  # [S]
         if row is None and len(span) < 2:
             return []
-        row = row if row is not None else self._logits([leaf])[0]  # [V']
-        prob, index = row.softmax(dim=-1).max(dim=-1)
-        self._top, self._prob = self._token(int(index)), float(prob)
+        self._next(row if row is not None else self._logits([leaf])[0])
         if len(span) < 2 or span[0] != self._top:
             return []
         first, parent = len(self.tree), leaf

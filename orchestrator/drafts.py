@@ -174,7 +174,8 @@ class DraftMixin(DraftFailover):
             self._learned[key] = session.trigger
             session.trigger.new_session()
         trigger = session.trigger
-        ahead, session.ahead = (session.ahead if self.config.pipeline and self.config.provisional_max else []), []
+        ahead_on = bool(self.config.pipeline and self.config.provisional_max)  # kept provisional tokens are used
+        ahead, session.ahead = (session.ahead if ahead_on else []), []
         fresh = not ahead  # no kept provisional tokens: the verifier waits for this tree's every node
         if session.state.draft_down_until:  # the draft failed earlier and its pause is over: start it again
             self._restart_draft(session)
@@ -203,8 +204,14 @@ class DraftMixin(DraftFailover):
             # (Under every copied span, edit points' too, the draft's work past spans broken early was waste and held
             # up the next round: code edits 0.91x / 0.99x of this rule at RTT 0 / 50; README "Where the draft's time
             # goes".)
-            if vouched and trigger.drafting and not session.state.draft_down_until:
-                start.stream = self._open_stream(session, len(span), wait_s, given=span)
+            if trigger.drafting and not session.state.draft_down_until and ahead_on:
+                # At an edit point (no kept tokens behind the span) the draft grows nothing and drafts on from the
+                # committed tokens meanwhile, as if no span were copied (``hedge``): if the span breaks early, what
+                # the draft drafted is the next tree, as after any verified tree. (Before, it sat idle, then caught up
+                # and grew a fresh tree.)
+                start.hedge = not vouched
+                start.stream = self._open_stream(session, len(span) if vouched else 0, wait_s,
+                                                 given=span if vouched else ())
         elif max_nodes > 0:
             start.stream = self._open_stream(session, max_nodes, wait_s)
             if start.stream is not None and ahead:  # last round's kept provisional tokens: verified at once if the
@@ -307,9 +314,10 @@ class DraftMixin(DraftFailover):
                 tree = GrowingTree()
                 self._draft_failed(session, err if isinstance(err, RpcError) else StatusCode.DEADLINE_EXCEEDED)
         draft_ms = (time.perf_counter() - started) * 1e3
-        leaf = best_leaf(tree)  # provisional drafting continues the branch ending here
+        leaf = -1 if start.hedge else best_leaf(tree)  # provisional drafting continues the branch ending here
         if stream is not None:
-            stream.verifying(len(tree))  # growth stops; provisional drafting starts under the verification
+            # growth stops; provisional drafting starts under the verification (a hedge's: at the committed tokens)
+            stream.verifying(0 if start.hedge else len(tree))
             if not self.config.provisional_max or (leaf >= 0 and not copied and
                                                    not trigger.provisional_worth(tree.confidence[leaf])):
                 stream.close()  # the draft stops after its current forward
@@ -328,7 +336,8 @@ class DraftMixin(DraftFailover):
         try:
             arrived = stream.ready() if stream is not None else []
             under = [s.draft_ms for s in arrived if s.provisional and s.draft_ms > 0]
-            if not (ahead or copied) or _draft_seeded(arrived, tree.token_ids, copied):  # else: from another leaf
+            # (else: the draft drafted on from another leaf)
+            if start.hedge or not (ahead or copied) or _draft_seeded(arrived, tree.token_ids, copied):
                 provisional = [(t, q) for s in arrived if s.provisional for t, q in zip(s.token_ids, s.draft_probs)]
         except RpcError:
             pass
@@ -391,6 +400,7 @@ class RoundStart:
     ahead: list[tuple[int, float]] = field(default_factory=list)  # those kept tokens (token, draft prob), if so
     seeded: int = 0  # tree nodes seeded by them
     stream: object | None = None  # the draft's TreeStream (None: no draft call this round)
+    hedge: bool = False  # a copied span's round whose draft drafts on from the committed tokens, not from the span
 
 
 @dataclass(frozen=True)

@@ -207,6 +207,19 @@ def test_a_verifier_beside_a_draft_process_gets_the_cores_the_draft_leaves(targe
         assert alone.verifier_engine.config.threads == 0
 
 
+def far_verifier(monkeypatch):
+    """Every verification 50 ms longer, as from a verifier 50 ms away: time for the draft to draft on meanwhile."""
+    from orchestrator.generation import Orchestrator
+
+    verify = Orchestrator._verify
+
+    def far_verify(self, *args, **kwargs):
+        time.sleep(0.05)
+        return verify(self, *args, **kwargs)
+
+    monkeypatch.setattr(Orchestrator, "_verify", far_verify)
+
+
 def run_copying(target, target_dir, prompt, provisional_max):
     """96 tokens of a half+ngram session, trees and copied spans of 16 (a fixed size copies spans of its size): its
     tokens, round stats, and the tokens generated before each round."""
@@ -266,18 +279,33 @@ def test_the_draft_drafts_on_under_a_copied_span_and_the_next_round_is_pipelined
             n = len(token_ids) - len(prompt)
             return list(greedy[n:n + 16]) if 4 <= n < 40 else []
 
-    from orchestrator.generation import Orchestrator
-
-    verify = Orchestrator._verify
-
-    def far_verify(self, *args, **kwargs):  # a verifier 50 ms away: time for the draft to draft on meanwhile
-        time.sleep(0.05)
-        return verify(self, *args, **kwargs)
-
     monkeypatch.setattr("orchestrator.drafts.SpanLookup", RightSpans)
-    monkeypatch.setattr(Orchestrator, "_verify", far_verify)
+    far_verifier(monkeypatch)
     tokens, stats, generated = run_copying(target, target_dir, prompt, provisional_max=8)
     assert tokens == greedy
     after = next(i for i, n in enumerate(generated) if n >= 40)  # the first round past the copied spans
     assert all(s.drafter == "half+ngram" for s in stats)  # no round left to the target alone
     assert stats[after].provisional_kept > 0  # seeded by what the draft drafted under the last copied span
+
+
+def test_under_a_span_at_an_edit_point_the_draft_drafts_on_from_the_committed_tokens(target, target_dir, monkeypatch):
+    """half+ngram with provisional drafting: a copied span with no kept provisional tokens behind it (here the
+    session's first round) opens the draft's round with no node budget, and the draft drafts on from the committed
+    tokens while the verifier checks the span. The span breaks after two tokens; what the draft drafted past them
+    and the bonus token seeds the next round (before: nothing, and that round caught up and grew a fresh tree).
+    Every token is HF greedy's."""
+    from specsplit.lookup import SpanLookup
+
+    prompt = PROMPTS[1]
+    greedy = hf_greedy(target.model, prompt, 96)
+
+    class EarlySpan(SpanLookup):  # the orchestrator's lookup finds one span, in the first round: right for 2 tokens
+        def span(self, token_ids, drafted=(), max_len=None):
+            return [*greedy[:2], (greedy[2] + 1) % 300, *greedy[3:16]] if len(token_ids) == len(prompt) else []
+
+    monkeypatch.setattr("orchestrator.drafts.SpanLookup", EarlySpan)
+    far_verifier(monkeypatch)
+    tokens, stats, _ = run_copying(target, target_dir, prompt, provisional_max=8)
+    assert tokens == greedy
+    assert (stats[0].num_draft_tokens, stats[0].num_accepted, stats[0].num_committed) == (16, 2, 3)
+    assert stats[1].provisional_kept > 0  # seeded by what the draft drafted under the span

@@ -305,3 +305,45 @@ def test_only_the_part_of_a_span_the_model_drafts_too_is_sent(model):
     assert [len(s.token_ids) for s in provisional] == [3, 1, 1, 1, 1, 1]
     assert tokens_of(provisional) == greedy[2:10]
     assert proposer._sessions["p"].path_tokens == greedy[:10]
+
+
+def test_nothing_verified_the_draft_drafts_on_from_the_committed_tokens(model):
+    """A copied span's round at an edit point (DraftTree with no node budget, ``verifying`` 0): the draft grows
+    nothing and drafts provisionally from the committed tokens, one token a forward, copying no span there (the
+    verifier checks the orchestrator's); the next round keeps what continues its committed tokens as seeds, with the
+    KV behind them right (the target's greedy continuation throughout)."""
+    greedy = hf_greedy(model.model, PROMPT, 24)
+    proposer = ModelProposer(model, DraftConfig(branch_threshold=1.0), copies=True)
+    proposer.start("s", PROMPT)
+    proposer._lookup = lambda session, token_ids: (lambda path: list(greedy[len(path):len(path) + 6]))
+    control = GrowthControl()
+    control.verify(0)  # the orchestrator verifies its own span at once
+    steps = []
+    for step in proposer.grow("s", PROMPT, 0, control, provisional_max=8):
+        steps.append(step)
+        if len([s for s in steps if s.provisional]) == 5:
+            control.close()
+    provisional = [s for s in steps if s.provisional]
+    assert [len(s.token_ids) for s in provisional] == [1] * 5 and tokens_of(provisional) == greedy[:5]
+    assert provisional[0].parents == (-1,) and provisional[0].draft_ms == 0  # its row came from the catch-up
+    assert not tokens_of([s for s in steps if not s.provisional])  # nothing grown
+
+    steps = whole_tree_round(proposer, PROMPT + greedy[:2], 4)  # the span's first token + the bonus: 3 kept
+    assert steps[0].seeded == 3 and steps[0].token_ids == tuple(greedy[2:5])
+    assert tokens_of([s for s in steps if not s.provisional]) == greedy[2:6]
+    session = proposer._sessions["s"]
+    assert kvcache.cache_length(session.cache) == len(session.cached)
+
+
+def test_a_seeded_round_verifying_nothing_drafts_nothing(model):
+    """``verifying`` 0 in a round that started from kept provisional tokens (the root's row is not at hand): no
+    provisional tokens, and the next round still starts right."""
+    greedy = hf_greedy(model.model, PROMPT, 24)
+    proposer = chain_proposer(model)
+    first_round(proposer, 4, 3)
+    control = GrowthControl()
+    control.verify(0)
+    steps = list(proposer.grow("s", PROMPT + greedy[:5], 4, control, provisional_max=3))
+    assert steps[0].seeded == 2 and not [s for s in steps if s.provisional]
+    steps = whole_tree_round(proposer, PROMPT + greedy[:5], 4)
+    assert tokens_of([s for s in steps if not s.provisional]) == greedy[5:9]
