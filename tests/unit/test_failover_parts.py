@@ -41,6 +41,33 @@ def test_pick_prefers_healthy_then_least_loaded_and_skips_excluded():
     assert [r.healthy for r in replicas] == [False, True, True]
 
 
+def test_close_waits_for_a_health_check_in_flight_before_closing_the_channels():
+    """A health check still running when the orchestrator closes ends before its replica's channel is closed, and
+    none runs after: a check on a closed channel, or past the interpreter's exit, can crash the process."""
+    import threading
+
+    events = []
+
+    class SlowVerifier(FakeVerifier):
+        def healthy(self, timeout):
+            events.append("check")
+            checking.set()
+            time.sleep(0.2)
+            events.append("checked")
+            return True
+
+        def close(self):
+            events.append("closed")
+
+    checking = threading.Event()
+    replicas = ReplicaSet([SlowVerifier("a")], health_interval_s=0.01, health_timeout_s=1.0)
+    assert checking.wait(5)
+    replicas.close()
+    assert events[-2:] == ["checked", "closed"]
+    time.sleep(0.1)
+    assert events[-1] == "closed"  # no check after the close
+
+
 class HangingVerifier(FakeVerifier):
     """Fails its health checks; counts how often its calls in flight were cut short."""
 
