@@ -173,7 +173,7 @@ class GrowthRound:
         tree = self.tree
         self.stop = policy.stop_token_ids  # a branch ends at one: nothing past it is drafted, copied or drafted ahead
         start = time.perf_counter()
-        self.from_root = not seed  # nothing verified: provisional drafting may start at the committed tokens
+        self.from_root = not seed  # told that nothing was verified, provisional drafting starts at the committed tokens
         for token, prob in seed:
             tree.add(len(tree) - 1, token, prob)
         if seed:
@@ -246,8 +246,11 @@ class GrowthRound:
             start, ran = time.perf_counter(), leaf >= 0 and leaf not in self._last_rows
             row = self._last_rows[leaf] if leaf in self._last_rows else self._logits([leaf])[0]  # [V']
             first = len(tree)
-            # [C] node ids: a vetted prompt-lookup span (none on a chain from the root: the verifier checks one there)
-            copied = self._next(row) if from_root else self._copy(leaf, provisional_max - drafted, row)
+            if from_root:  # no copied span on a chain from the root: the verifier is checking one there
+                self._next(row)
+                copied = []
+            else:
+                copied = self._copy(leaf, provisional_max - drafted, row)  # [C] node ids: a vetted prompt-lookup span
             nodes = copied or [tree.add(leaf, self._top, self._prob)]
             leaf = self.leaf = nodes[-1]
             drafted += len(nodes)
@@ -255,12 +258,11 @@ class GrowthRound:
                              tuple(tree.draft_probs[first:]), provisional=True,
                              draft_ms=(time.perf_counter() - start) * 1e3 if ran or copied else 0.0)
 
-    def _next(self, row: torch.Tensor) -> list[int]:
-        """The model's next token after a node whose next-token logits are ``row`` ([V']) and its probability, into
-        ``_top``/``_prob``; [] (no nodes added)."""
+    def _next(self, row: torch.Tensor) -> None:
+        """The model's next token after a node whose next-token logits are ``row`` ([V']), and its probability, into
+        ``_top``/``_prob``."""
         prob, index = row.softmax(dim=-1).max(dim=-1)
         self._top, self._prob = self._token(int(index)), float(prob)
-        return []
 
     def _copy(self, leaf: int, limit: int, row: torch.Tensor | None = None) -> list[int]:
         """Prompt lookup's continuation after ``leaf`` (-1: the root), at most ``limit`` tokens, as far as the model
