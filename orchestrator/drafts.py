@@ -211,8 +211,8 @@ class DraftMixin(DraftFailover):
                 # and grew a fresh tree: summaries and code edits ran 1.06x / 1.05x faster with this at RTT 0 / 50;
                 # README "Under a copied span at an edit point".)
                 start.hedge = not vouched
-                start.stream = self._open_stream(session, len(span) if vouched else 0, wait_s,
-                                                 given=span if vouched else ())
+                given = span if vouched else []  # (a hedge: no node budget, nothing given)
+                start.stream = self._open_stream(session, len(given), wait_s, given=given)
         elif max_nodes > 0:
             start.stream = self._open_stream(session, max_nodes, wait_s)
             if start.stream is not None and ahead:  # last round's kept provisional tokens: verified at once if the
