@@ -101,3 +101,25 @@ def test_a_copied_span_and_provisional_drafting_end_at_a_stop_token():
     assert [t for s in grown for t in s.token_ids] == [1, 2, 3, 4] and provisional == []
     grown, provisional = run_round([1, 2], stop=set())  # no stop token: growth goes on, then provisional drafting
     assert len([t for s in grown for t in s.token_ids]) > 4 and len(provisional) > 0
+
+
+def test_a_verdict_during_a_span_probe_leaves_the_rest_of_the_span_unrun():
+    """Provisional drafting finds a 16-token span; the verdict comes while its probe runs: the round is over, so the
+    rest (14 tokens, one long forward that would hold up the next round) is not run, and the probed tokens the model
+    agreed with are the round's last provisional step."""
+    round_, sizes = toy_round(list(range(3, 19)))
+    control = GrowthControl()
+    forward = round_.forward
+
+    def verdict_during_the_probe(tree, nodes):
+        if len(nodes) == SPAN_PROBE:
+            control.close()
+        return forward(tree, nodes)
+
+    round_.forward = verdict_during_the_probe
+    control.verify(1)  # the seed was sent for verification before the draft's first forward
+    steps = list(round_.run([(1, 0.9)], 32, GrowthPolicy(), control, 16))
+    provisional = [t for s in steps if s.provisional for t in s.token_ids]
+    assert provisional == [2, 3, 4]  # grown before the draft read `verifying`, then the probed span tokens
+    assert sizes == [1, 1, SPAN_PROBE]  # not the 14-token forward after the probe
+    assert round_.spans.whole()  # the model agreed with every token it checked: the next span is checked whole
