@@ -1,5 +1,6 @@
 """The half draft's precisions, measured on the machine it runs on: which dtype runs a one-token draft step
-fastest, and which runs many-token forwards (a prompt, a copied span) fastest.
+fastest, which runs many-token forwards (a prompt, a copied span) fastest, and from how many tokens on the second
+beats the first (``Calibration.many_from``).
 
 No one precision wins on every CPU. On the CPU of bench/results/drafters_half.md (1 thread, SmolLM2):
 float16 steps 18.5 ms vs float32 37.8 ms, and a 40-token forward 443 ms in float16 vs 51 ms in bfloat16.
@@ -34,7 +35,7 @@ import os
 import pathlib
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -57,6 +58,7 @@ QUANTIZED = (torch.int8, INT4)
 MIN_SPEEDUP = {torch.int8: 1.25, INT4: 1.1}
 MANY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # prompts and copied spans
 MANY_TOKENS = 16  # a timed many-token forward (a copied span's length); timed steps run on a cache this long
+MANY_FROM_MAX = 4 * MANY_TOKENS  # forwards of this many tokens go to the many-token dtype whatever the lines say
 CALIBRATION_FILE = "draft-calibration.json"  # what calibrate timed, per machine (``remember``; the CLI's cache dir)
 CALIBRATION_ENV = "SPECSPLIT_DRAFT_CALIBRATION"  # that file's path instead, or "off": time at every start
 
@@ -68,13 +70,37 @@ class Calibration:
     step_ms: dict  # dtype -> ms of one step on a MANY_TOKENS cache (only the timed ones)
     many_ms: dict  # dtype -> ms of a MANY_TOKENS forward on a MANY_TOKENS cache
     recalled: str = ""  # "": timed now; else where and when these times were taken ("FILE, timed at ...")
+    # the two chosen dtypes' (one-token step ms, MANY_TOKENS-token forward ms), whether or not they were candidates of
+    # the other kind ({}: not timed): how many tokens a forward needs before the many-token dtype runs it faster
+    lines: dict = field(default_factory=dict)
+
+    def many_from(self) -> int | None:
+        """The fewest tokens a forward has for the many-token dtype to run it: where a straight line through each
+        chosen dtype's two timed forwards puts it below the step dtype's, at most MANY_FROM_MAX (past the timed
+        sizes a line is a guess; prompts are longer). None: not timed (or one dtype for both).
+
+        (Measured on a Xeon, 1 thread, SmolLM2 on a 200-token cache, /tmp/kcost.py of the 2026-12-07 session: int4 23.5
+        / 30.1 / 39.0 / 51.2 / 86.1 / 182.7 ms for 1 / 2 / 4 / 8 / 16 / 32 tokens, bfloat16 63.5 / 60.1 / 88.3 / 88.1
+        / 110.6 / 209.2 ms: spans of 4-16 tokens, which went to bfloat16 from 4 tokens on, ran 1.3-2.3x slower there
+        than in the int4 step dtype; these lines cross at 40 tokens.)"""
+        step, many = self.lines.get(self.step_dtype), self.lines.get(self.many_dtype)
+        if self.many_dtype == self.step_dtype or step is None or many is None:
+            return None
+
+        def ms(line: tuple[float, float], tokens: int) -> float:
+            one, whole = line
+            return one + (whole - one) * (tokens - 1) / (MANY_TOKENS - 1)
+
+        return next((n for n in range(2, MANY_FROM_MAX) if ms(many, n) < ms(step, n)), MANY_FROM_MAX)
 
     def describe(self) -> str:
         def fmt(times: dict) -> str:
             return ", ".join(f"{dtype_name(d)} {ms:.1f} ms" for d, ms in times.items())
 
+        many_from = self.many_from()
         return (f"steps in {dtype_name(self.step_dtype)} ({fmt(self.step_ms) or 'as asked'}); "
                 f"{MANY_TOKENS}-token forwards in {dtype_name(self.many_dtype)} ({fmt(self.many_ms)})"
+                + (f", from {many_from} tokens on" if many_from else "")
                 + (f"; as timed before, kept in {self.recalled} (delete it to time again)" if self.recalled else ""))
 
 
@@ -123,7 +149,7 @@ def calibrate(model, threads: int = 0, step_dtypes=STEP_DTYPES, many_dtypes=MANY
         many_ms = {d: times[d][1] for d in many_dtypes} if len(many_dtypes) > 1 else {}
         step = pick_step_dtype(step_ms) if step_ms else step_dtypes[0]
         many = min(many_ms, key=many_ms.get) if many_ms else many_dtypes[0]
-        calibration = Calibration(step, many, step_ms, many_ms)
+        calibration = Calibration(step, many, step_ms, many_ms, lines={d: times[d] for d in (step, many) if d in times})
         if key:
             _remember(remember, key, calibration)
     else:
@@ -177,8 +203,9 @@ def _recall(path: pathlib.Path, key: str, step_dtypes, many_dtypes) -> Calibrati
         return Calibration(names[entry["step"]], names[entry["many"]],
                            {names[n]: float(ms) for n, ms in entry["step_ms"].items()},
                            {names[n]: float(ms) for n, ms in entry["many_ms"].items()},
-                           recalled=f"{path}, timed at {entry['timed_at']}")
-    except (TypeError, KeyError, ValueError, AttributeError):  # no such entry, or not one this code wrote
+                           recalled=f"{path}, timed at {entry['timed_at']}",
+                           lines={names[n]: (float(one), float(many)) for n, (one, many) in entry["lines"].items()})
+    except (TypeError, KeyError, ValueError, AttributeError):  # no such entry, or one written before (or not by) this code
         return None
 
 
@@ -187,6 +214,7 @@ def _remember(path: pathlib.Path, key: str, calibration: Calibration) -> None:
     known[key] = {"step": dtype_name(calibration.step_dtype), "many": dtype_name(calibration.many_dtype),
                   "step_ms": {dtype_name(d): ms for d, ms in calibration.step_ms.items()},
                   "many_ms": {dtype_name(d): ms for d, ms in calibration.many_ms.items()},
+                  "lines": {dtype_name(d): list(line) for d, line in calibration.lines.items()},
                   "timed_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -226,7 +254,7 @@ def weight_dtype(model) -> torch.dtype:
 
 
 def _time(model, repeats: int) -> tuple[float, float]:
-    """(fastest of ``repeats`` one-token steps, one MANY_TOKENS-token forward), both on a MANY_TOKENS cache
+    """(fastest of ``repeats`` one-token steps, of two MANY_TOKENS-token forwards), both on a MANY_TOKENS cache
     made by an untimed forward first (which also warms the kernels up)."""
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (1, 2 * MANY_TOKENS + 1), generator=generator)  # [1, 2M+1]
@@ -240,7 +268,10 @@ def _time(model, repeats: int) -> tuple[float, float]:
         start = time.perf_counter()
         model(input_ids=ids[:, MANY_TOKENS:MANY_TOKENS + 1], use_cache=True, **{key: cache})
         step = min(step, (time.perf_counter() - start) * 1e3)
-    kvcache.truncate(cache, MANY_TOKENS)
-    start = time.perf_counter()
-    model(input_ids=ids[:, MANY_TOKENS:2 * MANY_TOKENS], use_cache=True, **{key: cache})
-    return step, (time.perf_counter() - start) * 1e3
+    many = float("inf")
+    for _ in range(2):  # (the faster of two: one slow forward would move where the two dtypes' lines cross)
+        kvcache.truncate(cache, MANY_TOKENS)
+        start = time.perf_counter()
+        model(input_ids=ids[:, MANY_TOKENS:2 * MANY_TOKENS], use_cache=True, **{key: cache})
+        many = min(many, (time.perf_counter() - start) * 1e3)
+    return step, many

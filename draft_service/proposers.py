@@ -63,7 +63,7 @@ class _ModelSession:
 
 
 tracer = trace.get_tracer(__name__)
-PREFILL_MIN_TOKENS = 4  # forwards of this many tokens or more (prompts, copied spans) go through prefill_model
+PREFILL_MIN_TOKENS = 4  # forwards of this many tokens or more go through prefill_model, unless calibrated (prefill_from)
 REUSE_MIN_TOKENS = 8  # a new prompt starting with at least this many of an ended session's tokens reuses its cache
 # A new session's prefill waits at most this long for the ended session's last round to let go of the cache it may
 # reuse (a conversation's next turn sent at once, an agent's loop): about a draft forward or two.
@@ -87,16 +87,18 @@ class ModelProposer:
     calibration = None  # draft_service.dtypes.Calibration when the dtypes were measured (the half draft)
 
     def __init__(self, loaded: LoadedModel, config: DraftConfig | None = None, name: str = "model",
-                 prefill_model=None, copies: bool = False):
+                 prefill_model=None, copies: bool = False, prefill_from: int | None = None):
         """prefill_model: the same weights in a dtype whose many-token forwards are faster, for forwards of
-        ``PREFILL_MIN_TOKENS`` or more tokens (a prompt, a copied span); which dtype that is depends on the machine
-        (draft_service/dtypes.py). copies: provisional drafting first copies
-        what followed the same words earlier in the session (prompt lookup, suffix n-grams of at least
-        ``config.lookup_min_ngram`` tokens), then drafts on with the model: code edits keep lookup's long spans."""
+        ``prefill_from`` (default ``PREFILL_MIN_TOKENS``) or more tokens (a prompt, a copied span); which dtype that
+        is, and from how many tokens on, depends on the machine (draft_service/dtypes.py). copies: provisional
+        drafting first copies what followed the same words earlier in the session (prompt lookup, suffix n-grams of
+        at least ``config.lookup_min_ngram`` tokens), then drafts on with the model: code edits keep lookup's long
+        spans."""
         self.name = name  # "model": a draft LM; "half": the target itself at low precision
         self.loaded = loaded
         self.model = loaded.model
         self.prefill_model = prefill_model
+        self.prefill_from = prefill_from or PREFILL_MIN_TOKENS
         self.copies = copies
         self.config = config or DraftConfig()
         self.tokenizer_fingerprint = loaded.fingerprint
@@ -331,10 +333,10 @@ class ModelProposer:
         return self._forward_many(ids, positions, allowed.to(device), cache)  # [F, V] logits
 
     def _forward_many(self, ids, positions, allowed, cache, logits_to_keep: int = 0) -> torch.Tensor:
-        """A forward over the draft's cache; ``PREFILL_MIN_TOKENS`` or more tokens (a prompt, a copied span) go
+        """A forward over the draft's cache; ``prefill_from`` or more tokens (a prompt, a copied span) go
         through ``prefill_model`` when there is one, the cache cast to its dtype and back.
         allowed: [Q, C+Q] which cached/new positions each new token may attend to (None: causal)."""
-        model = self.prefill_model if self.prefill_model is not None and ids.shape[1] >= PREFILL_MIN_TOKENS else self.model
+        model = self.prefill_model if self.prefill_model is not None and ids.shape[1] >= self.prefill_from else self.model
         mask = None
         if allowed is not None:
             zero, neg = torch.zeros((), dtype=model.dtype), torch.finfo(model.dtype).min

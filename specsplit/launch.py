@@ -68,7 +68,8 @@ def make_proposer(kind: str, draft_model: str | None = None, device: str | None 
             raise InvalidArgument(f"--draft-dtype {draft_dtype}: {err}") from None
         loaded = dataclasses.replace(loaded, model=models[calibration.step_dtype])
         prefill = models[calibration.many_dtype] if calibration.many_dtype != calibration.step_dtype else None
-        proposer = ModelProposer(loaded, config, name=kind, prefill_model=prefill, copies=kind == "half+ngram")
+        proposer = ModelProposer(loaded, config, name=kind, prefill_model=prefill, copies=kind == "half+ngram",
+                                 prefill_from=calibration.many_from())
         proposer.calibration = calibration
         return proposer
     if kind == "model":

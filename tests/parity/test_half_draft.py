@@ -15,6 +15,7 @@ import torch
 
 from draft_service import quantized
 from draft_service.dtypes import MANY_DTYPES, STEP_DTYPES, calibrate, dtype_name, pick_step_dtype, weight_dtype
+from draft_service.proposers import PREFILL_MIN_TOKENS
 from orchestrator.trigger import GoodputThreshold
 from specsplit.client import Client
 from specsplit.config import DraftConfig, OrchestratorConfig
@@ -62,6 +63,7 @@ def test_half_draft_is_lossless(target, target_dir, trigger, drafter, dtype):
     assert proposer.name == drafter and weight_dtype(proposer.model) == calibration.step_dtype
     many = weight_dtype(proposer.prefill_model if proposer.prefill_model is not None else proposer.model)
     assert many == calibration.many_dtype
+    assert proposer.prefill_from == (calibration.many_from() or PREFILL_MIN_TOKENS)  # where that dtype takes over
     assert proposer.copies == (drafter == "half+ngram")
     config = OrchestratorConfig(trigger=trigger, fixed_tree_nodes=4, tree_max_nodes=16, share_estimates=False)
     with start_stack(target, [proposer], orchestrator_config=config) as stack:
@@ -108,12 +110,18 @@ def test_a_calibration_is_remembered_per_machine(target, tmp_path, monkeypatch):
     monkeypatch.setattr(dtypes, "_time", timed)
     models, again = calibrate(target.model, threads=1, remember=path)
     assert again.recalled.startswith(f"{path}, timed at ") and "as timed before" in again.describe()
-    assert (again.step_dtype, again.many_dtype, again.step_ms, again.many_ms) == \
-        (first.step_dtype, first.many_dtype, first.step_ms, first.many_ms)
+    assert (again.step_dtype, again.many_dtype, again.step_ms, again.many_ms, again.many_from()) == \
+        (first.step_dtype, first.many_dtype, first.step_ms, first.many_ms, first.many_from())
     assert set(models) == {again.step_dtype, again.many_dtype}
     assert all(weight_dtype(model) == dtype for dtype, model in models.items())
     with pytest.raises(AssertionError, match="timed again"):
         calibrate(target.model, threads=2, remember=path)
+    written = json.loads(path.read_text())
+    for entry in written.values():
+        del entry["lines"]  # as an earlier version wrote it: without the two dtypes' lines it is timed again
+    path.write_text(json.dumps(written))
+    with pytest.raises(AssertionError, match="timed again"):
+        calibrate(target.model, threads=1, remember=path)
     monkeypatch.undo()
     path.write_text("{cut short")
     _, fresh = calibrate(target.model, threads=1, remember=path)
