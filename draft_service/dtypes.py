@@ -79,7 +79,7 @@ class Calibration:
         chosen dtype's two timed forwards puts it below the step dtype's, at most MANY_FROM_MAX (past the timed
         sizes a line is a guess; prompts are longer). None: not timed (or one dtype for both).
 
-        (Measured on a Xeon, 1 thread, SmolLM2 on a 200-token cache, /tmp/kcost.py of the 2026-12-07 session: int4 23.5
+        (Measured on a Xeon, 1 thread, SmolLM2 on a 200-token cache, by a one-off script on 2026-12-07: int4 23.5
         / 30.1 / 39.0 / 51.2 / 86.1 / 182.7 ms for 1 / 2 / 4 / 8 / 16 / 32 tokens, bfloat16 63.5 / 60.1 / 88.3 / 88.1
         / 110.6 / 209.2 ms: spans of 4-16 tokens, which went to bfloat16 from 4 tokens on, ran 1.3-2.3x slower there
         than in the int4 step dtype; these lines cross at 40 tokens.)"""
