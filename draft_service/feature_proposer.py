@@ -126,8 +126,9 @@ class FeatureProposer:
         slot = {node: node for node in range(len(seed) - 1)}  # node -> its row among the tree rows
         session.path_tokens, session.path_probs, session.path_kv, session.path_out = [], [], None, None
 
-        def forward(tree, nodes: list[int]) -> torch.Tensor:
-            """[F, V'] the drafter's next-token logits of each node; one drafter forward for the non-root ones."""
+        def forward(tree, nodes: list[int], stop=None) -> torch.Tensor:
+            """[F, V'] the drafter's next-token logits of each node; one drafter forward for the non-root ones (one
+            layer: run whole, whatever ``stop`` says)."""
             run = [n for n in nodes if n >= 0]
             tokens = TokenTree(tuple(tree.token_ids), tuple(tree.parents))
 

@@ -21,6 +21,7 @@ tokens are proposals the float32 target verifies exactly, so it changes the chan
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,11 @@ from specsplit.kvcache import LeanCache
 from specsplit.llama import kv_shape, rms_norm, rotate_half, supports
 
 FEW_QUERIES = 16  # forwards of at most this many tokens attend with plain matmuls; longer ones through SDPA
+
+
+class ForwardInterrupted(Exception):
+    """A lean forward's ``stop()`` said its result is no longer wanted: it ended between two layers, the cache as
+    before it (rows past ``LeanCache.length`` are free to overwrite)."""
 
 
 @dataclass
@@ -108,9 +114,11 @@ class LeanLlama:
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, cache: LeanCache | None = None,
-                logits_to_keep: int = 0, **_ignored) -> LeanOutput:
+                logits_to_keep: int = 0, stop: Callable[[], bool] | None = None, **_ignored) -> LeanOutput:
         """input_ids: [1, Q]; position_ids: [1, Q] (default: right after the cache); attention_mask: [1, 1, Q, S]
-        additive over the cache's S = past + Q rows (None: causal). Appends the Q new rows to ``cache``."""
+        additive over the cache's S = past + Q rows (None: causal). Appends the Q new rows to ``cache``.
+        stop(): asked before each layer; once true the forward raises ``ForwardInterrupted``, the cache unchanged (a
+        draft forward whose tokens the verdict already made moot holds up the session's next round for nothing)."""
         if input_ids.shape[0] != 1:
             raise ValueError("the lean forward runs one sequence at a time")
         cache = cache if cache is not None else self.new_cache()
@@ -126,6 +134,8 @@ class LeanLlama:
         cache.reserve(total)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         for index, layer in enumerate(self.layers):
+            if stop is not None and stop():
+                raise ForwardInterrupted
             qkv = self._linear(rms_norm(x, layer.input_norm, self.eps), layer.qkv)  # [Q, (Hq + 2 Hkv) D]
             # q and k rotated together (one set of elementwise ops, not two: ~15 us a layer on one CPU thread)
             qk = qkv[:, :q_size + kv_size].view(num_new, self.num_heads + self.num_kv_heads, self.head_dim)

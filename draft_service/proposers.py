@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 from opentelemetry import trace
 
+from draft_service.lean import ForwardInterrupted, LeanLlama
 from draft_service.ngram import NgramProposer
 from draft_service.rounds import (GrowthControl, GrowthRound, SpanAgreement, draft_sampling, grow_top_tree,
                                   growth_policy)
@@ -149,9 +150,13 @@ class ModelProposer:
             with self._ended_lock:
                 self._ended = (session, idle)
 
-    def _forward(self, input_ids, position_ids, mask, cache, logits_to_keep: int = 0, model=None) -> torch.Tensor:
-        out = self._runner(model or self.model, input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                           use_cache=True, logits_to_keep=logits_to_keep, **{self._cache_kwarg: cache})
+    def _forward(self, input_ids, position_ids, mask, cache, logits_to_keep: int = 0, model=None,
+                 stop=None) -> torch.Tensor:
+        """stop(): the forward may end early (``lean.ForwardInterrupted``; only a lean forward does)."""
+        model = model or self.model
+        options = {"stop": stop} if stop is not None and isinstance(model, LeanLlama) else {}
+        out = self._runner(model, input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                           use_cache=True, logits_to_keep=logits_to_keep, **{self._cache_kwarg: cache}, **options)
         return out.logits[0].float()  # [Q, V]
 
     def propose(self, session_id: str, token_ids: list[int], max_nodes: int, stop_token_ids=()) -> TokenTree:
@@ -210,14 +215,20 @@ class ModelProposer:
         # [V] after the root; coupled draws: scores (sampling.scores) here and in every row below
         root_logits = None if seed else scores(self._catch_up(session, token_ids)[-1:], session.sampling, [committed])[0]
 
-        def forward(tree: GrowingTree, nodes: list[int]) -> torch.Tensor:
-            """Next-token logits of each node ([F, V]); one draft forward for the non-root ones."""
+        def forward(tree: GrowingTree, nodes: list[int], stop=None) -> torch.Tensor:
+            """Next-token logits of each node ([F, V]); one draft forward for the non-root ones (stop: as for
+            ``_forward``; interrupted, the nodes it ran get no rows)."""
             rows = {-1: root_logits} if -1 in nodes else {}
             run = [n for n in nodes if n >= 0]
             if run:  # with any ancestors not in the cache yet (a copied span's parent), ancestors first
                 run = sorted({a for n in run for a in tree.path_to(n) if a not in slot} | set(run))
                 grown = TokenTree(tuple(tree.token_ids), tuple(tree.parents))
-                out = self._expand(session.cache, committed, grown, slot, run)  # [F, V]
+                try:
+                    out = self._expand(session.cache, committed, grown, slot, run, stop=stop)  # [F, V]
+                except ForwardInterrupted:
+                    for node in run:
+                        del slot[node]  # (the cache did not grow: its next forward writes those rows again)
+                    raise
                 rows.update(zip(run, scores(out, session.sampling, [committed + grown.depths[n] for n in run])))
             return torch.stack([rows[n] for n in nodes])  # [F, V]
 
@@ -313,7 +324,8 @@ class ModelProposer:
                 candidates.append((base * float(q[token]), parent, token, float(q[token]), dist))
         return candidates
 
-    def _expand(self, cache, committed: int, tree: TokenTree, slot: dict[int, int], frontier: list[int]) -> torch.Tensor:
+    def _expand(self, cache, committed: int, tree: TokenTree, slot: dict[int, int], frontier: list[int],
+                stop=None) -> torch.Tensor:
         """Run the frontier nodes on top of the cache (committed tokens + nodes already in ``slot``).
 
         Every ancestor of a frontier node was itself a frontier node at a smaller depth, so it has a slot.
@@ -330,9 +342,9 @@ class ModelProposer:
                 allowed[row, committed + slot[ancestor]] = True
         ids = torch.tensor([[tree.token_ids[n] for n in frontier]], dtype=torch.long, device=device)  # [1, F]
         positions = torch.tensor([[committed - 1 + tree.depths[n] for n in frontier]], device=device)  # [1, F]
-        return self._forward_many(ids, positions, allowed.to(device), cache)  # [F, V] logits
+        return self._forward_many(ids, positions, allowed.to(device), cache, stop=stop)  # [F, V] logits
 
-    def _forward_many(self, ids, positions, allowed, cache, logits_to_keep: int = 0) -> torch.Tensor:
+    def _forward_many(self, ids, positions, allowed, cache, logits_to_keep: int = 0, stop=None) -> torch.Tensor:
         """A forward over the draft's cache; ``prefill_from`` or more tokens (a prompt, a copied span) go
         through ``prefill_model`` when there is one, the cache cast to its dtype and back.
         allowed: [Q, C+Q] which cached/new positions each new token may attend to (None: causal)."""
@@ -342,10 +354,10 @@ class ModelProposer:
             zero, neg = torch.zeros((), dtype=model.dtype), torch.finfo(model.dtype).min
             mask = torch.where(allowed, zero.to(allowed.device), neg)[None, None]  # [1, 1, Q, C+Q]
         if model is self.model:
-            return self._forward(ids, positions, mask, cache, logits_to_keep)
+            return self._forward(ids, positions, mask, cache, logits_to_keep, stop=stop)
         kvcache.cast(cache, model.dtype)
         try:
-            return self._forward(ids, positions, mask, cache, logits_to_keep, model=model)
+            return self._forward(ids, positions, mask, cache, logits_to_keep, model=model, stop=stop)
         finally:
             kvcache.cast(cache, self.model.dtype)
 

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from draft_service.lean import ForwardInterrupted
 from specsplit.config import DraftConfig
 from specsplit.growth import GrowingTree, GrowthPolicy, GrowthStep, best_leaf, grow_tree
 from specsplit.lookup import COPY_MIN_HITS, LOOKUP_PROB, SPAN_PROBE, span_share
@@ -117,8 +118,9 @@ class SpanAgreement:
 class GrowthRound:
     """One streamed DraftTree round of a draft model, whatever the model: grow, then draft provisionally.
 
-    ``forward(tree, nodes)`` is one draft forward: next-token logits [F, V'] of each node (-1 = the root)
-    over ``vocab_ids`` (the draft's vocabulary as target ids; None: the same ids). ``forget(n)``: nodes
+    ``forward(tree, nodes, stop)`` is one draft forward: next-token logits [F, V'] of each node (-1 = the root)
+    over ``vocab_ids`` (the draft's vocabulary as target ids; None: the same ids); it may raise
+    ``ForwardInterrupted`` once ``stop()`` (None: never) is true, the draft's state as before it. ``forget(n)``: nodes
     from index n on were not sent for verification; their draft rows must not be attended to again.
     After ``run``, ``tree`` holds the round's nodes and ``leaf`` the end of the provisional path (-1: none).
     """
@@ -137,13 +139,13 @@ class GrowthRound:
         self.stop: frozenset[int] = frozenset()  # the round's stop tokens (GrowthPolicy.stop_token_ids)
         self.from_root = False  # the round had no seeds (set by run)
 
-    def _logits(self, nodes: list[int]) -> torch.Tensor:
+    def _logits(self, nodes: list[int], stop: Callable[[], bool] | None = None) -> torch.Tensor:
         """Next-token logits of ``nodes`` ([F, V']): one draft forward over those the latest call did not already run
-        (a copied span's last node, whose row the span's forward gave)."""
+        (a copied span's last node, whose row the span's forward gave). stop: the forward's (``ForwardInterrupted``)."""
         rows = {n: self._last_rows[n] for n in nodes if n in self._last_rows}
         missing = [n for n in nodes if n not in rows]
         if missing:
-            rows.update(zip(missing, self.forward(self.tree, missing)))
+            rows.update(zip(missing, self.forward(self.tree, missing, stop)))
         self._last_rows = rows
         return torch.stack([rows[n] for n in nodes])
 
@@ -156,8 +158,8 @@ class GrowthRound:
     def _token(self, index: int) -> int:
         return index if self.vocab_ids is None else int(self.vocab_ids[index])
 
-    def _expand(self, nodes: list[int]) -> list[list[tuple[int, float]]]:
-        probs = self._logits(nodes).softmax(dim=-1)  # [F, V']
+    def _expand(self, nodes: list[int], stop: Callable[[], bool] | None = None) -> list[list[tuple[int, float]]]:
+        probs = self._logits(nodes, stop).softmax(dim=-1)  # [F, V']
         values, indices = probs.topk(min(3, probs.shape[-1]), dim=-1)  # [F, 3]: at most 3 can be above 0.3
         return [[(self._token(i), v) for i, v in zip(indices[r].tolist(), values[r].tolist())]
                 for r in range(len(nodes))]
@@ -212,12 +214,18 @@ class GrowthRound:
             yield GrowthStep(0, tuple(tree.token_ids), tuple(tree.parents), tuple(tree.draft_probs),
                              draft_ms=(time.perf_counter() - start) * 1e3)
             start = time.perf_counter()
-        for step in grow_tree(self._expand, max_nodes, policy, tree=tree, frontier=[frontier]):
-            if control.verifying is not None or control.closed:
-                return False  # the verifier already has fewer nodes than this forward made
-            yield GrowthStep(step.first, step.token_ids, step.parents, step.draft_probs,
-                             draft_ms=(time.perf_counter() - start) * 1e3)
-            start = time.perf_counter()  # not counting the time the consumer held us at the yield
+        # A forward running when the orchestrator verifies goes on: its rows (the sent leaves') are where provisional
+        # drafting starts. One running when it ends the round is for nothing: it stops.
+        try:
+            for step in grow_tree(lambda nodes: self._expand(nodes, lambda: control.closed), max_nodes, policy,
+                                  tree=tree, frontier=[frontier]):
+                if control.verifying is not None or control.closed:
+                    return False  # the verifier already has fewer nodes than this forward made
+                yield GrowthStep(step.first, step.token_ids, step.parents, step.draft_probs,
+                                 draft_ms=(time.perf_counter() - start) * 1e3)
+                start = time.perf_counter()  # not counting the time the consumer held us at the yield
+        except ForwardInterrupted:
+            return False
         return True
 
     def _provisional(self, control: "GrowthControl", provisional_max: int) -> Iterator[GrowthStep]:
@@ -240,18 +248,21 @@ class GrowthRound:
             yield GrowthStep(node, (tree.token_ids[node],), (tree.parents[node],), (tree.draft_probs[node],),
                              provisional=True)
         drafted = len(ahead)
+        closed = lambda: control.closed  # noqa: E731  (the verdict came: a forward still running is for nothing)
         while (drafted < provisional_max and (tree.token_ids[leaf] not in self.stop if leaf >= 0 else from_root)
                and not control.closed):
             # a step with no forward reports 0 ms (the root's row is the catch-up forward's, which ran before)
             start, ran = time.perf_counter(), leaf >= 0 and leaf not in self._last_rows
-            row = self._last_rows[leaf] if leaf in self._last_rows else self._logits([leaf])[0]  # [V']
             first = len(tree)
-            if from_root:  # no copied span on a chain from the root: the verifier is checking one there
-                self._next(row)
-                copied = []
-            else:
-                # [C] node ids: a vetted prompt-lookup span
-                copied = self._copy(leaf, provisional_max - drafted, row, closed=lambda: control.closed)
+            try:
+                row = self._last_rows[leaf] if leaf in self._last_rows else self._logits([leaf], closed)[0]  # [V']
+                if from_root:  # no copied span on a chain from the root: the verifier is checking one there
+                    self._next(row)
+                    copied = []
+                else:
+                    copied = self._copy(leaf, provisional_max - drafted, row, closed=closed)  # [C] node ids: a vetted span
+            except ForwardInterrupted:
+                return
             nodes = copied or [tree.add(leaf, self._top, self._prob)]
             leaf = self.leaf = nodes[-1]
             drafted += len(nodes)
@@ -298,7 +309,15 @@ class GrowthRound:
             for token in span[done:end]:
                 parent = self.tree.add(parent, token, LOOKUP_PROB)
             nodes = list(range(first + done, first + end))  # [E] span[done:end]
-            probs = self._logits(nodes).softmax(dim=-1)  # [E, V'] row j: after span[done + j]
+            try:
+                probs = self._logits(nodes, closed).softmax(dim=-1)  # [E, V'] row j: after span[done + j]
+            except ForwardInterrupted:
+                if not done:  # the round is over before the span was run: it is left out whole
+                    self._truncate(first)
+                    raise
+                del agreed[done:]  # (the probe's tokens are kept, as when the rest is not run)
+                checked = done
+                break
             best, indices = probs.max(dim=-1)  # [E] each
             for j in range(end - done):
                 if done + j + 1 == len(span) or self._token(int(indices[j])) != span[done + j + 1]:

@@ -2,7 +2,7 @@
 
 In float32 weights its logits match the Hugging Face model's to float rounding for a prompt, single steps
 and a tree-masked forward over its preallocated cache, and its cache's truncate/compact leave the rows a
-DynamicCache would keep. In 16-bit weights it is a draft: its greedy tokens mostly agree.
+DynamicCache would keep; a forward interrupted between layers leaves the cache as it was. In 16-bit weights it is a draft: its greedy tokens mostly agree.
 """
 
 from __future__ import annotations
@@ -85,6 +85,24 @@ def test_lean_cache_grows_past_its_capacity(model):
     last = lean_logits(draft, ids[:, 250:300], cache=cache)[-1]  # past the first 256-row allocation
     assert cache.length == 300 and cache.keys.shape[2] >= 300
     torch.testing.assert_close(last, hf_logits(model, ids)[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_an_interrupted_forward_leaves_the_cache_as_it_was(model):
+    """A forward stopped between two layers (its rows half written) raises ForwardInterrupted; the cache keeps its
+    length, and the same forward run again gives what it gives uninterrupted."""
+    draft = lean.LeanLlama(model, torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(2))
+    cache, clean = draft.new_cache(), draft.new_cache()
+    lean_logits(draft, ids[:, :30], cache=cache)
+    lean_logits(draft, ids[:, :30], cache=clean)
+    for after in range(len(draft.layers)):  # stopped before layer `after`
+        asked = []
+        with pytest.raises(lean.ForwardInterrupted), torch.inference_mode():
+            draft(input_ids=ids[:, 30:40], cache=cache, stop=lambda: asked.append(1) or len(asked) > after)
+        assert len(asked) == after + 1 and cache.length == 30
+    again = lean_logits(draft, ids[:, 30:40], cache=cache)  # [10, V]
+    torch.testing.assert_close(again, lean_logits(draft, ids[:, 30:40], cache=clean), atol=0, rtol=0)
+    assert cache.length == 40
 
 
 INT8 = pytest.param(torch.int8, marks=pytest.mark.skipif(not quantized.int8_available(),

@@ -1,11 +1,15 @@
 """Provisional generation on the draft: kept tokens seed the next tree (no forward, KV still right),
-dropped ones leave no trace, and a verdict arriving in the middle of a provisional forward is safe."""
+dropped ones leave no trace, and a verdict arriving in the middle of a provisional forward is safe (a lean
+forward stops there, the cache as before it)."""
 
+import dataclasses
 import threading
 
 import pytest
+import torch
 
 from draft_service.drafter import GrowthControl
+from draft_service.lean import LeanLlama
 from draft_service.proposers import ModelProposer
 from specsplit import kvcache
 from specsplit.config import DraftConfig
@@ -60,12 +64,12 @@ def test_verdict_mid_provisional_forward_then_kept(model):
     real_expand = proposer._expand
     calls = []
 
-    def slow_expand(*args):
+    def slow_expand(*args, **kw):
         calls.append(args[-1])
         if len(calls) == 6:  # a provisional forward (the root's children come from the catch-up forward)
             in_forward.set()
             release.wait(5)
-        return real_expand(*args)
+        return real_expand(*args, **kw)
 
     proposer._expand = slow_expand
     steps = []
@@ -102,6 +106,48 @@ def test_verdict_mid_provisional_forward_then_kept(model):
     assert tokens_of([s for s in steps2 if not s.provisional]) == greedy[4:8]  # and the KV behind it is right
 
 
+def test_a_verdict_mid_way_through_a_lean_forward_stops_it_and_the_next_round_is_right(model):
+    """With the lean forward (the half draft's), a provisional forward still running when the verdict arrives stops at
+    its next layer: its token is never drafted, the rows its first layer wrote are past the cache's end, and the next
+    round seeds from the tokens before it and drafts the target's greedy tokens on top of them."""
+    greedy = hf_greedy(model.model, PROMPT, 24)
+    proposer = ModelProposer(dataclasses.replace(model, model=LeanLlama(model.model, torch.float32)),
+                             DraftConfig(branch_threshold=1.0))
+    proposer.start("s", PROMPT)
+    control = GrowthControl()
+    real_forward = proposer._forward
+    provisional_forwards, checks = [], []
+
+    def forward(*args, stop=None, **kw):
+        if control.verifying is not None:
+            provisional_forwards.append(args[0].shape[1])
+            if len(provisional_forwards) == 3:
+                def verdict_after_the_first_layer():
+                    checks.append(1)
+                    if len(checks) == 2:
+                        control.close()
+                    return stop()
+                return real_forward(*args, stop=verdict_after_the_first_layer, **kw)
+        return real_forward(*args, stop=stop, **kw)
+
+    proposer._forward = forward
+    steps = []
+    for step in proposer.grow("s", PROMPT, 3, control, provisional_max=10):
+        steps.append(step)
+        if step.done:
+            control.verify(3)
+    assert tokens_of([s for s in steps if not s.provisional]) == greedy[:3]
+    assert tokens_of([s for s in steps if s.provisional]) == greedy[3:5]  # the third forward's token never came
+    assert provisional_forwards == [1, 1, 1] and len(checks) == 2
+    session = proposer._sessions["s"]
+    assert session.path_tokens == greedy[:5]
+    assert kvcache.cache_length(session.cache) == len(session.cached)
+    proposer._forward = real_forward
+    steps2 = whole_tree_round(proposer, PROMPT + greedy[:4], 4)  # 3 accepted + the bonus token: greedy[4] kept
+    assert steps2[0].seeded == 1 and steps2[0].token_ids == (greedy[4],)
+    assert tokens_of([s for s in steps2 if not s.provisional]) == greedy[4:8]
+
+
 def test_dropped_when_the_verdict_leaves_the_path(model):
     greedy = hf_greedy(model.model, PROMPT, 24)
     proposer = chain_proposer(model)
@@ -135,7 +181,7 @@ def test_seeds_past_the_verified_prefix_are_the_first_provisional_tokens(model):
     committed = PROMPT + greedy[:5]  # all 4 accepted + the bonus token: greedy[5:8] are seeds next round
     real_expand = proposer._expand
     calls = []
-    proposer._expand = lambda *args: calls.append(args[-1]) or real_expand(*args)
+    proposer._expand = lambda *args, **kw: calls.append(args[-1]) or real_expand(*args, **kw)
     control = GrowthControl()
     control.verify(2)  # before the round starts: the orchestrator verifies 2 of the 3 seeds at once
     steps = []
@@ -159,7 +205,7 @@ def test_growth_past_the_verified_nodes_is_the_first_provisional_tokens(model):
     proposer = chain_proposer(model)
     real_expand = proposer._expand
     calls = []
-    proposer._expand = lambda *args: calls.append(list(args[-1])) or real_expand(*args)
+    proposer._expand = lambda *args, **kw: calls.append(list(args[-1])) or real_expand(*args, **kw)
     control = GrowthControl()
     steps = []
     for step in proposer.grow("s", PROMPT, 6, control, provisional_max=5):
@@ -194,7 +240,7 @@ def test_a_given_chain_is_run_in_one_forward_and_drafting_goes_on_from_its_end(m
     committed = PROMPT + greedy[:5]  # all 4 accepted + the bonus token: greedy[5:7] are seeds
     real_expand = proposer._expand
     calls = []
-    proposer._expand = lambda *args: calls.append(list(args[-1])) or real_expand(*args)
+    proposer._expand = lambda *args, **kw: calls.append(list(args[-1])) or real_expand(*args, **kw)
 
     def given_round(given):
         control = GrowthControl()
@@ -270,7 +316,7 @@ def test_copied_span_starts_the_tree_when_the_model_agrees(model):
         proposer._lookup = lambda session, token_ids: (lambda path: span if path == [] else [])
         forwards = []
         real_expand = proposer._expand
-        proposer._expand = lambda *args: forwards.append(list(args[-1])) or real_expand(*args)
+        proposer._expand = lambda *args, **kw: forwards.append(list(args[-1])) or real_expand(*args, **kw)
         control = GrowthControl()
         steps = []
         for step in proposer.grow(session_id, PROMPT, 8, control, provisional_max=0):

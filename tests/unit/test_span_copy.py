@@ -4,6 +4,7 @@ the session's spans have mostly been left early (draft_service.rounds.GrowthRoun
 import torch
 
 from draft_service.drafter import GrowthControl
+from draft_service.lean import ForwardInterrupted
 from draft_service.rounds import GrowthRound, SpanAgreement
 from specsplit.growth import GrowthPolicy
 from specsplit.lookup import SPAN_PROBE
@@ -12,13 +13,16 @@ VOCAB = 64
 ROOT_NEXT = 1  # the toy model's next token after the committed text; after token t it is t + 1
 
 
-def toy_round(span, spans=None):
+def toy_round(span, spans=None, interruptible=False):
     """A GrowthRound whose model always continues t -> t + 1 (mod VOCAB), the lookup always finding ``span``.
-    Returns (round, sizes of its forwards)."""
+    Returns (round, sizes of its forwards). interruptible: a forward whose ``stop()`` is true when it starts raises
+    ForwardInterrupted (as a lean forward does between layers); else forwards run whole, as a one-layer drafter's."""
     sizes = []
 
-    def forward(tree, nodes):
+    def forward(tree, nodes, stop=None):
         sizes.append(len(nodes))
+        if interruptible and stop is not None and stop():
+            raise ForwardInterrupted
         logits = torch.full((len(nodes), VOCAB), -10.0)  # [F, V]
         for row, node in enumerate(nodes):
             logits[row, ROOT_NEXT if node < 0 else (tree.token_ids[node] + 1) % VOCAB] = 10.0
@@ -111,10 +115,10 @@ def test_a_verdict_during_a_span_probe_leaves_the_rest_of_the_span_unrun():
     control = GrowthControl()
     forward = round_.forward
 
-    def verdict_during_the_probe(tree, nodes):
+    def verdict_during_the_probe(tree, nodes, stop=None):
         if len(nodes) == SPAN_PROBE:
             control.close()
-        return forward(tree, nodes)
+        return forward(tree, nodes, stop)
 
     round_.forward = verdict_during_the_probe
     control.verify(1)  # the seed was sent for verification before the draft's first forward
@@ -123,3 +127,74 @@ def test_a_verdict_during_a_span_probe_leaves_the_rest_of_the_span_unrun():
     assert provisional == [2, 3, 4]  # grown before the draft read `verifying`, then the probed span tokens
     assert sizes == [1, 1, SPAN_PROBE]  # not the 14-token forward after the probe
     assert round_.spans.whole()  # the model agreed with every token it checked: the next span is checked whole
+
+
+def test_a_verdict_during_an_interruptible_probe_ends_the_round_at_once():
+    """The same race with a draft whose forwards stop once the verdict is in: the probe ends unfinished, its tokens
+    leave the tree, and nothing is drafted after it (the next round has the draft at once)."""
+    round_, sizes = toy_round(list(range(3, 19)), interruptible=True)
+    control = GrowthControl()
+    forward = round_.forward
+
+    def verdict_during_the_probe(tree, nodes, stop=None):
+        if len(nodes) == SPAN_PROBE:
+            control.close()
+        return forward(tree, nodes, stop)
+
+    round_.forward = verdict_during_the_probe
+    control.verify(1)
+    steps = list(round_.run([(1, 0.9)], 32, GrowthPolicy(), control, 16))
+    assert [t for s in steps if s.provisional for t in s.token_ids] == [2]
+    assert sizes == [1, 1, SPAN_PROBE]  # growth's forward (token 2 from it), token 2's row, the stopped probe
+    assert round_.tree.token_ids == [1, 2] and round_.leaf == 1
+
+
+def test_a_verdict_after_an_agreed_probe_keeps_it_and_stops_the_rest():
+    """The verdict comes while the rest of the span (after a probe the model agreed with) runs: that forward stops
+    and the probed tokens are the round's last provisional step, as when the verdict came during the probe."""
+    round_, sizes = toy_round(list(range(3, 19)), interruptible=True)
+    control = GrowthControl()
+    forward = round_.forward
+
+    def verdict_during_the_rest(tree, nodes, stop=None):
+        if len(nodes) > SPAN_PROBE:
+            control.close()
+        return forward(tree, nodes, stop)
+
+    round_.forward = verdict_during_the_rest
+    control.verify(1)
+    steps = list(round_.run([(1, 0.9)], 32, GrowthPolicy(), control, 16))
+    assert [t for s in steps if s.provisional for t in s.token_ids] == [2, 3, 4]
+    assert sizes == [1, 1, SPAN_PROBE, 15 - SPAN_PROBE]  # (the span: the 15 tokens left of provisional_max)
+    assert round_.tree.token_ids == [1, 2, 3, 4]
+
+
+def test_a_growth_forward_goes_on_under_a_verification_and_stops_when_the_round_ends():
+    """Verified while a growth forward runs, the draft finishes it: its row of the sent leaf is provisional drafting's
+    first (no forward again). Ended while one runs (no provisional drafting wanted), the draft stops it at once."""
+    for end in (False, True):
+        round_, sizes = toy_round([], interruptible=True)
+        control = GrowthControl()
+        forward = round_.forward
+        calls = []
+
+        def during_the_second_growth_forward(tree, nodes, stop=None):
+            calls.append(len(tree))
+            if len(calls) == 3:  # the root's row, the first growth forward, then this one
+                control.verify(len(tree))
+                if end:
+                    control.close()
+            return forward(tree, nodes, stop)
+
+        round_.forward = during_the_second_growth_forward
+        steps = []
+        for step in round_.run([], 32, GrowthPolicy(), control, 3):
+            steps.append(step)
+            if len([s for s in steps if s.provisional]) == 3:
+                control.close()
+        assert [t for s in steps if not s.provisional for t in s.token_ids] == [1, 2]
+        provisional = [t for s in steps if s.provisional for t in s.token_ids]
+        if end:
+            assert provisional == [] and len(sizes) == 3
+        else:  # token 3 from the finished forward, 4 and 5 one forward each
+            assert provisional == [3, 4, 5] and len(sizes) == 5
