@@ -182,12 +182,18 @@ class GrowthControl:
         self._cond = threading.Condition()
         self.verifying: int | None = None  # nodes sent for verification
         self.closed = False  # the orchestrator ended the round (or went away)
+        self.committed: list[int] | None = None  # [C] the verdict's committed tokens, when the round ended on one
 
     def verify(self, num_nodes: int) -> None:
         with self._cond:
             if self.verifying is None:
                 self.verifying = num_nodes
             self._cond.notify_all()
+
+    def conclude(self, committed: list[int]) -> None:
+        """The verdict came: the round is over, its committed tokens these."""
+        self.committed = list(committed)
+        self.close()
 
     def close(self) -> None:
         with self._cond:

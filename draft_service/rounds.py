@@ -17,6 +17,7 @@ from draft_service.lean import ForwardInterrupted
 from specsplit.config import DraftConfig
 from specsplit.growth import GrowingTree, GrowthPolicy, GrowthStep, best_leaf, grow_tree
 from specsplit.lookup import COPY_MIN_HITS, LOOKUP_PROB, SPAN_PROBE, span_share
+from specsplit.provisional import follows
 from specsplit.sampling import SamplingParams, session_generator
 from specsplit.tree import SparseDist, TokenTree, until_stop
 
@@ -26,6 +27,7 @@ class GrowthControl(Protocol):
 
     verifying: int | None  # nodes sent for verification, once said
     closed: bool  # the round is over
+    committed: list[int] | None  # [C] the verdict's committed tokens, when the round ended on one
 
     def wait(self, timeout: float | None = None) -> None: ...  # until verifying is set or closed
 
@@ -248,19 +250,19 @@ class GrowthRound:
             yield GrowthStep(node, (tree.token_ids[node],), (tree.parents[node],), (tree.draft_probs[node],),
                              provisional=True)
         drafted = len(ahead)
-        closed = lambda: control.closed  # noqa: E731  (the verdict came: a forward still running is for nothing)
         while (drafted < provisional_max and (tree.token_ids[leaf] not in self.stop if leaf >= 0 else from_root)
                and not control.closed):
             # a step with no forward reports 0 ms (the root's row is the catch-up forward's, which ran before)
             start, ran = time.perf_counter(), leaf >= 0 and leaf not in self._last_rows
             first = len(tree)
             try:
-                row = self._last_rows[leaf] if leaf in self._last_rows else self._logits([leaf], closed)[0]  # [V']
+                row = (self._last_rows[leaf] if leaf in self._last_rows
+                       else self._logits([leaf], self._moot(control, leaf))[0])  # [V']
                 if from_root:  # no copied span on a chain from the root: the verifier is checking one there
                     self._next(row)
                     copied = []
                 else:
-                    copied = self._copy(leaf, provisional_max - drafted, row, closed=closed)  # [C] node ids: a vetted span
+                    copied = self._copy(leaf, provisional_max - drafted, row, control)  # [C] node ids: a vetted span
             except ForwardInterrupted:
                 return
             nodes = copied or [tree.add(leaf, self._top, self._prob)]
@@ -270,6 +272,13 @@ class GrowthRound:
                              tuple(tree.draft_probs[first:]), provisional=True,
                              draft_ms=(time.perf_counter() - start) * 1e3 if ran or copied else 0.0)
 
+    def _moot(self, control: "GrowthControl", node: int) -> Callable[[], bool]:
+        """stop() of a provisional forward whose last row is ``node``'s: the round is over and the forward is for
+        nothing, unless the verdict's committed tokens run along the path to ``node`` (then what it drafts is kept
+        and seeds the next tree, which would otherwise run it again)."""
+        path = [self.tree.token_ids[n] for n in self.tree.path_to(node)] if node >= 0 else []  # [P]
+        return lambda: control.closed and not (control.committed is not None and follows(control.committed, path))
+
     def _next(self, row: torch.Tensor) -> None:
         """The model's next token after a node whose next-token logits are ``row`` ([V']), and its probability, into
         ``_top``/``_prob``."""
@@ -277,7 +286,7 @@ class GrowthRound:
         self._top, self._prob = self._token(int(index)), float(prob)
 
     def _copy(self, leaf: int, limit: int, row: torch.Tensor | None = None,
-              closed: Callable[[], bool] = lambda: False) -> list[int]:
+              control: "GrowthControl | None" = None) -> list[int]:
         """Prompt lookup's continuation after ``leaf`` (-1: the root), at most ``limit`` tokens, as far as the model
         drafts it too: the span is tried only if it is longer than one token and its first token is the model's own
         next token there; then a forward over it keeps the prefix along which the model's next token is each time the
@@ -286,13 +295,15 @@ class GrowthRound:
         Returns the kept nodes (added under ``leaf``, their probabilities the model's), or [] (nothing added). Either
         way the model's next token after ``leaf`` and its probability are left in ``_top``/``_prob``. row: the leaf's
         next-token logits [V'] when already known; the lookup runs first, so the root's are only asked for when a span
-        was found. closed(): the round is over (provisional drafting's verdict came): the rest of a span whose probe
-        the model agreed with is not run, and the probed tokens are kept (a dead round's forward holds up the next
-        round, which reaches this draft only once it ends: on a Xeon, 150 ms for the last 14 tokens of a span).
+        was found. control: provisional drafting's; once its round is over (the verdict came), the rest of a span whose
+        probe the model agreed with is not run, and the probed tokens are kept (a dead round's forward holds up the
+        next round, which reaches this draft only once it ends: on a Xeon, 150 ms for the last 14 tokens of a span);
+        a span forward the verdict makes moot stops (``_moot``), its tokens left out.
 
         (Without the second check, a span the model agreed with only at its first token went out whole: on chat, a
         chance match then was the start of most of a pipelined tree of 25-31 nodes with 1-7 accepted, each a round trip
         lost across a network; bench/results/network_half_avx512_final/ngram_before.)"""
+        closed = (lambda: control.closed) if control is not None else (lambda: False)
         path = [self.tree.token_ids[n] for n in self.tree.path_to(leaf)] if leaf >= 0 else []
         span = until_stop(self.lookup(path), self.stop)[:limit] if self.lookup is not None else []  # [S]
         if row is None and len(span) < 2:
@@ -310,7 +321,8 @@ class GrowthRound:
                 parent = self.tree.add(parent, token, LOOKUP_PROB)
             nodes = list(range(first + done, first + end))  # [E] span[done:end]
             try:
-                probs = self._logits(nodes, closed).softmax(dim=-1)  # [E, V'] row j: after span[done + j]
+                stop = self._moot(control, nodes[-1]) if control is not None else None
+                probs = self._logits(nodes, stop).softmax(dim=-1)  # [E, V'] row j: after span[done + j]
             except ForwardInterrupted:
                 if not done:  # the round is over before the span was run: it is left out whole
                     self._truncate(first)

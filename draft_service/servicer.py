@@ -62,8 +62,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         def read_rest():
             try:
                 for request in request_iterator:
-                    if request.WhichOneof("kind") == "verifying":
+                    kind = request.WhichOneof("kind")
+                    if kind == "verifying":
                         control.verify(request.verifying)
+                    elif kind == "verdict":
+                        control.conclude(list(request.verdict.committed_token_ids))
             except Exception:  # the call ended under us: same as a close
                 pass
             control.close()

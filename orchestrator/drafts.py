@@ -324,11 +324,12 @@ class DraftMixin(DraftFailover):
                 stream.close()  # the draft stops after its current forward
         token_tree = TokenTree(tuple(tree.token_ids), tuple(tree.parents), tuple(tree.draft_probs))
         after_prefill = session.prefill is not None  # the call waits for the prompt's prefill too
+        verdict = None
         try:
             verdict, timing = verify(token_tree)
         finally:
-            if stream is not None:
-                stream.close()  # the draft stops after its current forward
+            if stream is not None:  # the draft stops its running forward, unless that drafts along the committed tokens
+                stream.close(list(verdict.committed_token_ids) if verdict is not None else None)
         round_ms = (time.perf_counter() - started) * 1e3
         committed = list(verdict.committed_token_ids)
         accepted = len(verdict.accepted_nodes)

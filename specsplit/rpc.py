@@ -442,8 +442,11 @@ class TreeStream:
     def verifying(self, num_nodes: int) -> None:
         self._requests.put(draft_pb2.DraftTreeRequest(verifying=num_nodes))
 
-    def close(self) -> None:
-        """End the round (half-close): the draft stops after its current forward."""
+    def close(self, committed: list[int] | None = None) -> None:
+        """End the round (half-close): the draft stops its current forward, or finishes it if it drafts along
+        ``committed`` (the verdict's committed tokens, when the round ends on one: ``DraftVerdict``)."""
+        if committed is not None:
+            self._requests.put(draft_pb2.DraftTreeRequest(verdict=draft_pb2.DraftVerdict(committed_token_ids=committed)))
         self._requests.put(None)
 
 

@@ -80,12 +80,20 @@ class EndSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftTreeRequest(_message.Message):
-    __slots__ = ("start", "verifying")
+    __slots__ = ("start", "verifying", "verdict")
     START_FIELD_NUMBER: _ClassVar[int]
     VERIFYING_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
     start: DraftTreeStart
     verifying: int
-    def __init__(self, start: _Optional[_Union[DraftTreeStart, _Mapping]] = ..., verifying: _Optional[int] = ...) -> None: ...
+    verdict: DraftVerdict
+    def __init__(self, start: _Optional[_Union[DraftTreeStart, _Mapping]] = ..., verifying: _Optional[int] = ..., verdict: _Optional[_Union[DraftVerdict, _Mapping]] = ...) -> None: ...
+
+class DraftVerdict(_message.Message):
+    __slots__ = ("committed_token_ids",)
+    COMMITTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    committed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, committed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftTreeStart(_message.Message):
     __slots__ = ("propose", "provisional_max", "given_token_ids")

@@ -106,10 +106,13 @@ def test_verdict_mid_provisional_forward_then_kept(model):
     assert tokens_of([s for s in steps2 if not s.provisional]) == greedy[4:8]  # and the KV behind it is right
 
 
-def test_a_verdict_mid_way_through_a_lean_forward_stops_it_and_the_next_round_is_right(model):
-    """With the lean forward (the half draft's), a provisional forward still running when the verdict arrives stops at
-    its next layer: its token is never drafted, the rows its first layer wrote are past the cache's end, and the next
-    round seeds from the tokens before it and drafts the target's greedy tokens on top of them."""
+@pytest.mark.parametrize("verdict", ["none", "along", "off"])
+def test_a_verdict_mid_way_through_a_lean_forward(model, verdict):
+    """With the lean forward (the half draft's), a provisional forward still running when the round ends stops at its
+    next layer (its token never drafted, the rows its first layer wrote past the cache's end) unless the verdict's
+    committed tokens run along its path ("along": it goes on, and its token seeds the next tree). A close with no
+    verdict ("none") or one that leaves the path ("off") stops it. Either way the next round drafts the target's
+    greedy tokens."""
     greedy = hf_greedy(model.model, PROMPT, 24)
     proposer = ModelProposer(dataclasses.replace(model, model=LeanLlama(model.model, torch.float32)),
                              DraftConfig(branch_threshold=1.0))
@@ -117,6 +120,7 @@ def test_a_verdict_mid_way_through_a_lean_forward_stops_it_and_the_next_round_is
     control = GrowthControl()
     real_forward = proposer._forward
     provisional_forwards, checks = [], []
+    committed = {"none": None, "along": greedy[:4], "off": [greedy[0], (greedy[1] + 1) % 300]}[verdict]
 
     def forward(*args, stop=None, **kw):
         if control.verifying is not None:
@@ -124,8 +128,8 @@ def test_a_verdict_mid_way_through_a_lean_forward_stops_it_and_the_next_round_is
             if len(provisional_forwards) == 3:
                 def verdict_after_the_first_layer():
                     checks.append(1)
-                    if len(checks) == 2:
-                        control.close()
+                    if len(checks) == 2:  # the round ends while the first layer runs
+                        control.close() if committed is None else control.conclude(committed)
                     return stop()
                 return real_forward(*args, stop=verdict_after_the_first_layer, **kw)
         return real_forward(*args, stop=stop, **kw)
@@ -136,16 +140,19 @@ def test_a_verdict_mid_way_through_a_lean_forward_stops_it_and_the_next_round_is
         steps.append(step)
         if step.done:
             control.verify(3)
+    drafted = 6 if verdict == "along" else 5  # the third forward's token, or none
     assert tokens_of([s for s in steps if not s.provisional]) == greedy[:3]
-    assert tokens_of([s for s in steps if s.provisional]) == greedy[3:5]  # the third forward's token never came
-    assert provisional_forwards == [1, 1, 1] and len(checks) == 2
+    assert tokens_of([s for s in steps if s.provisional]) == greedy[3:drafted]
+    assert provisional_forwards == [1, 1, 1] and len(checks) == (len(proposer.model.layers) if verdict == "along" else 2)
     session = proposer._sessions["s"]
-    assert session.path_tokens == greedy[:5]
+    assert session.path_tokens == greedy[:drafted]
     assert kvcache.cache_length(session.cache) == len(session.cached)
     proposer._forward = real_forward
-    steps2 = whole_tree_round(proposer, PROMPT + greedy[:4], 4)  # 3 accepted + the bonus token: greedy[4] kept
-    assert steps2[0].seeded == 1 and steps2[0].token_ids == (greedy[4],)
-    assert tokens_of([s for s in steps2 if not s.provisional]) == greedy[4:8]
+    committed = PROMPT + (committed or greedy[:4])  # "none": 3 accepted + the bonus token, as "along"
+    steps2 = whole_tree_round(proposer, committed, 4)
+    seeds = {"none": greedy[4:5], "along": greedy[4:6], "off": []}[verdict]
+    assert steps2[0].seeded == len(seeds) and (not seeds or steps2[0].token_ids == tuple(seeds))
+    assert tokens_of([s for s in steps2 if not s.provisional]) == hf_greedy(model.model, committed, 4)
 
 
 def test_dropped_when_the_verdict_leaves_the_path(model):
