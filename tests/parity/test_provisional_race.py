@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import torch
+from opentelemetry import trace
 
 from draft_service.drafter import GrowthControl
 from draft_service.lean import LeanLlama
@@ -14,7 +15,7 @@ from draft_service.proposers import ModelProposer
 from specsplit import kvcache
 from specsplit.config import DraftConfig
 from specsplit.lookup import LOOKUP_PROB
-from tiny import hf_greedy, tiny_loaded
+from tiny import hf_greedy, span_exporter, tiny_loaded
 
 PROMPT = [258, 72, 101, 108, 108, 111]
 
@@ -136,10 +137,15 @@ def test_a_verdict_mid_way_through_a_lean_forward(model, verdict):
 
     proposer._forward = forward
     steps = []
-    for step in proposer.grow("s", PROMPT, 3, control, provisional_max=10):
-        steps.append(step)
-        if step.done:
-            control.verify(3)
+    exporter = span_exporter()
+    with trace.get_tracer(__name__).start_as_current_span("test.round"):  # (the draft service's grow span)
+        for step in proposer.grow("s", PROMPT, 3, control, provisional_max=10):
+            steps.append(step)
+            if step.done:
+                control.verify(3)
+    [span] = [s for s in exporter.get_finished_spans() if s.name == "test.round"]
+    stopped = [e for e in span.events if e.name == "specsplit.draft.forward_stopped"]
+    assert [e.attributes["specsplit.num_tokens"] for e in stopped] == ([] if verdict == "along" else [1])
     drafted = 6 if verdict == "along" else 5  # the third forward's token, or none
     assert tokens_of([s for s in steps if not s.provisional]) == greedy[:3]
     assert tokens_of([s for s in steps if s.provisional]) == greedy[3:drafted]
