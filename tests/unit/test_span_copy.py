@@ -107,23 +107,30 @@ def test_a_copied_span_and_provisional_drafting_end_at_a_stop_token():
     assert len([t for s in grown for t in s.token_ids]) > 4 and len(provisional) > 0
 
 
+def verdict_round(closes_at, interruptible=False):
+    """A round seeded with token 1 (sent for verification before the draft's first forward) whose provisional drafting
+    finds a 16-token span (3..18); the verdict comes as the first forward of a size ``closes_at(size)`` accepts starts.
+    Returns (provisional tokens, round, sizes of its forwards)."""
+    round_, sizes = toy_round(list(range(3, 19)), interruptible=interruptible)
+    control = GrowthControl()
+    forward = round_.forward
+
+    def verdict_during(tree, nodes, stop=None):
+        if closes_at(len(nodes)):
+            control.close()
+        return forward(tree, nodes, stop)
+
+    round_.forward = verdict_during
+    control.verify(1)
+    steps = list(round_.run([(1, 0.9)], 32, GrowthPolicy(), control, 16))
+    return [t for s in steps if s.provisional for t in s.token_ids], round_, sizes
+
+
 def test_a_verdict_during_a_span_probe_leaves_the_rest_of_the_span_unrun():
     """Provisional drafting finds a 16-token span; the verdict comes while its probe runs: the round is over, so the
     rest (14 tokens, one long forward that would hold up the next round) is not run, and the probed tokens the model
     agreed with are the round's last provisional step."""
-    round_, sizes = toy_round(list(range(3, 19)))
-    control = GrowthControl()
-    forward = round_.forward
-
-    def verdict_during_the_probe(tree, nodes, stop=None):
-        if len(nodes) == SPAN_PROBE:
-            control.close()
-        return forward(tree, nodes, stop)
-
-    round_.forward = verdict_during_the_probe
-    control.verify(1)  # the seed was sent for verification before the draft's first forward
-    steps = list(round_.run([(1, 0.9)], 32, GrowthPolicy(), control, 16))
-    provisional = [t for s in steps if s.provisional for t in s.token_ids]
+    provisional, round_, sizes = verdict_round(lambda size: size == SPAN_PROBE)
     assert provisional == [2, 3, 4]  # grown before the draft read `verifying`, then the probed span tokens
     assert sizes == [1, 1, SPAN_PROBE]  # not the 14-token forward after the probe
     assert round_.spans.whole()  # the model agreed with every token it checked: the next span is checked whole
@@ -132,19 +139,8 @@ def test_a_verdict_during_a_span_probe_leaves_the_rest_of_the_span_unrun():
 def test_a_verdict_during_an_interruptible_probe_ends_the_round_at_once():
     """The same race with a draft whose forwards stop once the verdict is in: the probe ends unfinished, its tokens
     leave the tree, and nothing is drafted after it (the next round has the draft at once)."""
-    round_, sizes = toy_round(list(range(3, 19)), interruptible=True)
-    control = GrowthControl()
-    forward = round_.forward
-
-    def verdict_during_the_probe(tree, nodes, stop=None):
-        if len(nodes) == SPAN_PROBE:
-            control.close()
-        return forward(tree, nodes, stop)
-
-    round_.forward = verdict_during_the_probe
-    control.verify(1)
-    steps = list(round_.run([(1, 0.9)], 32, GrowthPolicy(), control, 16))
-    assert [t for s in steps if s.provisional for t in s.token_ids] == [2]
+    provisional, round_, sizes = verdict_round(lambda size: size == SPAN_PROBE, interruptible=True)
+    assert provisional == [2]
     assert sizes == [1, 1, SPAN_PROBE]  # growth's forward (token 2 from it), token 2's row, the stopped probe
     assert round_.tree.token_ids == [1, 2] and round_.leaf == 1
 
@@ -152,19 +148,8 @@ def test_a_verdict_during_an_interruptible_probe_ends_the_round_at_once():
 def test_a_verdict_after_an_agreed_probe_keeps_it_and_stops_the_rest():
     """The verdict comes while the rest of the span (after a probe the model agreed with) runs: that forward stops
     and the probed tokens are the round's last provisional step, as when the verdict came during the probe."""
-    round_, sizes = toy_round(list(range(3, 19)), interruptible=True)
-    control = GrowthControl()
-    forward = round_.forward
-
-    def verdict_during_the_rest(tree, nodes, stop=None):
-        if len(nodes) > SPAN_PROBE:
-            control.close()
-        return forward(tree, nodes, stop)
-
-    round_.forward = verdict_during_the_rest
-    control.verify(1)
-    steps = list(round_.run([(1, 0.9)], 32, GrowthPolicy(), control, 16))
-    assert [t for s in steps if s.provisional for t in s.token_ids] == [2, 3, 4]
+    provisional, round_, sizes = verdict_round(lambda size: size > SPAN_PROBE, interruptible=True)
+    assert provisional == [2, 3, 4]
     assert sizes == [1, 1, SPAN_PROBE, 15 - SPAN_PROBE]  # (the span: the 15 tokens left of provisional_max)
     assert round_.tree.token_ids == [1, 2, 3, 4]
 
