@@ -95,10 +95,8 @@ class VerifyTiming:
 def verdict_to_pb(verdict: Verdict, committed_length: int, timing: VerifyTiming, features: Features | None = None,
                   proposal: TokenTree | None = None) -> verifier_pb2.VerifyResponse:
     msg = verifier_pb2.VerifyResponse(
-        accepted_token_ids=verdict.accepted_token_ids,
-        accepted_node_indices=verdict.accepted_nodes,
-        next_token_id=verdict.next_token_id,
-        decoded_token_ids=verdict.decoded_token_ids,
+        accepted_token_ids=verdict.accepted_token_ids, accepted_node_indices=verdict.accepted_nodes,
+        next_token_id=verdict.next_token_id, decoded_token_ids=verdict.decoded_token_ids,
         committed_length=committed_length,
         verify_ms=timing.verify_ms, queue_ms=timing.queue_ms, cost_ms=timing.cost_ms, busy_ms=timing.busy_ms,
     )
@@ -351,8 +349,7 @@ class RemoteDraft:
 
     def info(self, timeout: float) -> DraftInfo:
         r = self.stub.GetInfo(draft_pb2.DraftInfoRequest(), timeout=timeout)
-        return DraftInfo(r.drafter, r.model, r.tokenizer_fingerprint, r.max_nodes, r.wants_features,
-                         r.target_identity)
+        return DraftInfo(r.drafter, r.model, r.tokenizer_fingerprint, r.max_nodes, r.wants_features, r.target_identity)
 
     def start(self, session_id: str, prompt_token_ids: list[int], tokenizer_fingerprint: str, timeout: float,
               sampling: SamplingParams | None = None, target_identity: str = "", stop_token_ids=()) -> None:
@@ -443,10 +440,10 @@ class TreeStream:
         self._requests.put(draft_pb2.DraftTreeRequest(verifying=num_nodes))
 
     def close(self, committed: list[int] | None = None) -> None:
-        """End the round (half-close): the draft stops its current forward, or finishes it if it drafts along
-        ``committed`` (the verdict's committed tokens, when the round ends on one: ``DraftVerdict``)."""
+        """End the round (half-close), on the verdict's ``committed`` tokens when it has one (``DraftVerdict``)."""
         if committed is not None:
-            self._requests.put(draft_pb2.DraftTreeRequest(verdict=draft_pb2.DraftVerdict(committed_token_ids=committed)))
+            verdict = draft_pb2.DraftVerdict(committed_token_ids=committed)
+            self._requests.put(draft_pb2.DraftTreeRequest(verdict=verdict))
         self._requests.put(None)
 
 
