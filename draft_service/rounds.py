@@ -216,18 +216,14 @@ class GrowthRound:
             yield GrowthStep(0, tuple(tree.token_ids), tuple(tree.parents), tuple(tree.draft_probs),
                              draft_ms=(time.perf_counter() - start) * 1e3)
             start = time.perf_counter()
-        # A forward running when the orchestrator verifies goes on: its rows (the sent leaves') are where provisional
-        # drafting starts. One running when it ends the round is for nothing: it stops.
-        try:
-            for step in grow_tree(lambda nodes: self._expand(nodes, lambda: control.closed), max_nodes, policy,
-                                  tree=tree, frontier=[frontier]):
-                if control.verifying is not None or control.closed:
-                    return False  # the verifier already has fewer nodes than this forward made
-                yield GrowthStep(step.first, step.token_ids, step.parents, step.draft_probs,
-                                 draft_ms=(time.perf_counter() - start) * 1e3)
-                start = time.perf_counter()  # not counting the time the consumer held us at the yield
-        except ForwardInterrupted:
-            return False
+        # (A growth forward is never stopped: it writes the sent leaves' rows, which provisional drafting starts from or,
+        # without it, the next round would run again in its catch-up after the verdict.)
+        for step in grow_tree(self._expand, max_nodes, policy, tree=tree, frontier=[frontier]):
+            if control.verifying is not None or control.closed:
+                return False  # the verifier already has fewer nodes than this forward made
+            yield GrowthStep(step.first, step.token_ids, step.parents, step.draft_probs,
+                             draft_ms=(time.perf_counter() - start) * 1e3)
+            start = time.perf_counter()  # not counting the time the consumer held us at the yield
         return True
 
     def _provisional(self, control: "GrowthControl", provisional_max: int) -> Iterator[GrowthStep]:

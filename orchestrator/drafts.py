@@ -321,7 +321,7 @@ class DraftMixin(DraftFailover):
             stream.verifying(0 if start.hedge else len(tree))
             if not self.config.provisional_max or (leaf >= 0 and not copied and
                                                    not trigger.provisional_worth(tree.confidence[leaf])):
-                stream.close()  # the draft stops after its current forward
+                stream.close()  # the draft stops (a provisional forward at its next layer)
         token_tree = TokenTree(tuple(tree.token_ids), tuple(tree.parents), tuple(tree.draft_probs))
         after_prefill = session.prefill is not None  # the call waits for the prompt's prefill too
         verdict = None

@@ -154,18 +154,19 @@ def test_a_verdict_after_an_agreed_probe_keeps_it_and_stops_the_rest():
     assert round_.tree.token_ids == [1, 2, 3, 4]
 
 
-def test_a_growth_forward_goes_on_under_a_verification_and_stops_when_the_round_ends():
-    """Verified while a growth forward runs, the draft finishes it: its row of the sent leaf is provisional drafting's
-    first (no forward again). Ended while one runs (no provisional drafting wanted), the draft stops it at once."""
+def test_a_growth_forward_is_never_stopped():
+    """Verified or ended while a growth forward runs, the draft finishes it: it writes the sent leaf's row, where
+    provisional drafting starts (no forward again) or, with none, what the next round would run again after the
+    verdict."""
     for end in (False, True):
         round_, sizes = toy_round([], interruptible=True)
         control = GrowthControl()
         forward = round_.forward
-        calls = []
+        stops = []
 
         def during_the_second_growth_forward(tree, nodes, stop=None):
-            calls.append(len(tree))
-            if len(calls) == 3:  # the root's row, the first growth forward, then this one
+            stops.append(stop)
+            if len(stops) == 3:  # the root's row, the first growth forward, then this one
                 control.verify(len(tree))
                 if end:
                     control.close()
@@ -178,6 +179,7 @@ def test_a_growth_forward_goes_on_under_a_verification_and_stops_when_the_round_
             if len([s for s in steps if s.provisional]) == 3:
                 control.close()
         assert [t for s in steps if not s.provisional for t in s.token_ids] == [1, 2]
+        assert stops[:3] == [None] * 3
         provisional = [t for s in steps if s.provisional for t in s.token_ids]
         if end:
             assert provisional == [] and len(sizes) == 3
