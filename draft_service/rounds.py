@@ -160,8 +160,8 @@ class GrowthRound:
     def _token(self, index: int) -> int:
         return index if self.vocab_ids is None else int(self.vocab_ids[index])
 
-    def _expand(self, nodes: list[int], stop: Callable[[], bool] | None = None) -> list[list[tuple[int, float]]]:
-        probs = self._logits(nodes, stop).softmax(dim=-1)  # [F, V']
+    def _expand(self, nodes: list[int]) -> list[list[tuple[int, float]]]:
+        probs = self._logits(nodes).softmax(dim=-1)  # [F, V']
         values, indices = probs.topk(min(3, probs.shape[-1]), dim=-1)  # [F, 3]: at most 3 can be above 0.3
         return [[(self._token(i), v) for i, v in zip(indices[r].tolist(), values[r].tolist())]
                 for r in range(len(nodes))]
@@ -299,7 +299,6 @@ class GrowthRound:
         (Without the second check, a span the model agreed with only at its first token went out whole: on chat, a
         chance match then was the start of most of a pipelined tree of 25-31 nodes with 1-7 accepted, each a round trip
         lost across a network; bench/results/network_half_avx512_final/ngram_before.)"""
-        closed = (lambda: control.closed) if control is not None else (lambda: False)
         path = [self.tree.token_ids[n] for n in self.tree.path_to(leaf)] if leaf >= 0 else []
         span = until_stop(self.lookup(path), self.stop)[:limit] if self.lookup is not None else []  # [S]
         if row is None and len(span) < 2:
@@ -334,7 +333,7 @@ class GrowthRound:
             done = end
             if len(agreed) <= end < len(span):
                 break  # the model left the span within these tokens
-            if end < len(span) and closed():
+            if end < len(span) and control is not None and control.closed:
                 del agreed[end:]  # the model's next token after the probe is left to the next round's first step
                 checked = end
                 break
