@@ -228,8 +228,6 @@ class ModelProposer:
                 except ForwardInterrupted:
                     for node in run:
                         del slot[node]  # (the cache did not grow: its next forward writes those rows again)
-                    trace.get_current_span().add_event("specsplit.draft.forward_stopped",
-                                                       {"specsplit.num_tokens": len(run)})
                     raise
                 rows.update(zip(run, scores(out, session.sampling, [committed + grown.depths[n] for n in run])))
             return torch.stack([rows[n] for n in nodes])  # [F, V]

@@ -12,14 +12,18 @@ from collections.abc import Callable, Generator, Iterator
 from typing import Protocol
 
 import torch
+from opentelemetry import trace
 
 from draft_service.lean import ForwardInterrupted
+from specsplit import metrics
 from specsplit.config import DraftConfig
 from specsplit.growth import GrowingTree, GrowthPolicy, GrowthStep, best_leaf, grow_tree
 from specsplit.lookup import COPY_MIN_HITS, LOOKUP_PROB, SPAN_PROBE, span_share
 from specsplit.provisional import follows
 from specsplit.sampling import SamplingParams, session_generator
 from specsplit.tree import SparseDist, TokenTree, until_stop
+
+tracer = trace.get_tracer(__name__)
 
 
 class GrowthControl(Protocol):
@@ -141,15 +145,37 @@ class GrowthRound:
         self.stop: frozenset[int] = frozenset()  # the round's stop tokens (GrowthPolicy.stop_token_ids)
         self.from_root = False  # the round had no seeds (set by run)
 
-    def _logits(self, nodes: list[int], stop: Callable[[], bool] | None = None) -> torch.Tensor:
+    def _logits(self, nodes: list[int], stop: Callable[[], bool] | None = None, phase: str = "grow") -> torch.Tensor:
         """Next-token logits of ``nodes`` ([F, V']): one draft forward over those the latest call did not already run
-        (a copied span's last node, whose row the span's forward gave). stop: the forward's (``ForwardInterrupted``)."""
+        (a copied span's last node, whose row the span's forward gave). stop: the forward's (``ForwardInterrupted``).
+        phase: what the forward is for (``_forward``)."""
         rows = {n: self._last_rows[n] for n in nodes if n in self._last_rows}
         missing = [n for n in nodes if n not in rows]
         if missing:
-            rows.update(zip(missing, self.forward(self.tree, missing, stop)))
+            rows.update(zip(missing, self._forward(missing, stop, phase)))
         self._last_rows = rows
         return torch.stack([rows[n] for n in nodes])
+
+    def _forward(self, nodes: list[int], stop: Callable[[], bool] | None, phase: str) -> torch.Tensor:
+        """``forward`` over ``nodes`` ([F, V']), traced and timed when it runs the model (the root's row alone is the
+        committed tokens' own): a ``specsplit.draft.forward`` span and ``specsplit.draft.forward.duration``, by phase
+        (grow: the tree, given: the orchestrator's chain, span: a copied prompt-lookup span, provisional: a token
+        after the verified leaf) and whether the verdict stopped it (``ForwardInterrupted``)."""
+        if all(n < 0 for n in nodes):
+            return self.forward(self.tree, nodes, stop)
+        attributes = {"specsplit.draft.phase": phase, "specsplit.num_tokens": sum(n >= 0 for n in nodes)}
+        start, stopped = time.perf_counter(), False
+        with tracer.start_as_current_span("specsplit.draft.forward", attributes=attributes, record_exception=False,
+                                          set_status_on_exception=False) as span:
+            try:
+                return self.forward(self.tree, nodes, stop)
+            except ForwardInterrupted:
+                stopped = True
+                span.set_attribute("specsplit.draft.stopped", True)
+                raise
+            finally:
+                metrics.draft_forward_duration.record((time.perf_counter() - start) * 1e3,
+                                                      {"phase": phase, "stopped": stopped})
 
     def _truncate(self, n: int) -> None:
         """Drop nodes from index n on: from the tree, the draft's rows (``forget``) and the rows kept here."""
@@ -199,7 +225,7 @@ class GrowthRound:
             parent = tree.add(parent, token, LOOKUP_PROB)
         if len(tree) > first:
             start = time.perf_counter()
-            self._logits(list(range(first, len(tree))))  # [G, V'] (kept in _last_rows)
+            self._logits(list(range(first, len(tree))), phase="given")  # [G, V'] (kept in _last_rows)
             yield GrowthStep(first, tuple(tree.token_ids[first:]), tuple(tree.parents[first:]),
                              tuple(tree.draft_probs[first:]), draft_ms=(time.perf_counter() - start) * 1e3)
 
@@ -253,7 +279,7 @@ class GrowthRound:
             first = len(tree)
             try:
                 row = (self._last_rows[leaf] if leaf in self._last_rows
-                       else self._logits([leaf], self._moot(control, leaf))[0])  # [V']
+                       else self._logits([leaf], self._moot(control, leaf), "provisional")[0])  # [V']
                 if from_root:  # no copied span on a chain from the root: the verifier is checking one there
                     self._next(row)
                     copied = []
@@ -317,7 +343,7 @@ class GrowthRound:
             nodes = list(range(first + done, first + end))  # [E] span[done:end]
             try:
                 stop = self._moot(control, nodes[-1]) if control is not None else None
-                probs = self._logits(nodes, stop).softmax(dim=-1)  # [E, V'] row j: after span[done + j]
+                probs = self._logits(nodes, stop, "span").softmax(dim=-1)  # [E, V'] row j: after span[done + j]
             except ForwardInterrupted:
                 if not done:  # the round is over before the span was run: it is left out whole
                     self._truncate(first)

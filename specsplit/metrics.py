@@ -7,6 +7,7 @@ record call a few hundred nanoseconds. Units follow OpenTelemetry's conventions 
 Orchestrator: generations ended (by ``finish_reason``), rounds, committed / drafted / accepted draft tokens (so
 acceptance and tau are ratios of counters), round duration and time to first token.
 Verifier: forward duration, rows (sessions) and tokens per forward, sessions held, requests refused at capacity.
+Draft: each streamed round's draft forwards, by what they were for (``draft_service.rounds.GrowthRound``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ batch_tokens = _meter.create_histogram("specsplit.verifier.batch.tokens", unit="
                                        description="tokens per forward")
 sessions = _meter.create_up_down_counter("specsplit.verifier.sessions", unit="{session}",
                                          description="sessions whose K/V the verifier holds")
+draft_forward_duration = _meter.create_histogram(
+    "specsplit.draft.forward.duration", unit="ms",
+    description="one draft forward in a streamed round, by phase (grow, given, span, provisional) and stopped")
 refused = _meter.create_counter("specsplit.verifier.refused", unit="{request}",
                                 description="new sessions refused with RESOURCE_EXHAUSTED, by reason")
 

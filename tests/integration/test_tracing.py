@@ -272,6 +272,13 @@ def test_metrics_count_what_the_stream_reports(target):
     assert delta["specsplit.draft.tokens.accepted"] == sum(s.num_accepted for s in stats) > 0
     assert delta["specsplit.generations"] == 1 and delta["specsplit.time_to_first_token"] == 1
     assert delta["specsplit.verifier.forward.duration"] >= len(stats)
+    # the draft's forwards in its streamed rounds, by what they were for (never stopped: nothing made them moot)
+    assert delta["specsplit.draft.forward.duration"] >= len(stats)
+    phases = {(point.attributes["phase"], point.attributes["stopped"])
+              for resource in reader.get_metrics_data().resource_metrics for scope in resource.scope_metrics
+              for metric in scope.metrics if metric.name == "specsplit.draft.forward.duration"
+              for point in metric.data.data_points}
+    assert ("grow", False) in phases and phases <= {(p, False) for p in ("grow", "given", "span", "provisional")}
 
 
 def test_prometheus_scrapes_the_orchestrator_and_the_verifier(model_dir):

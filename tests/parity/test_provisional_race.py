@@ -144,8 +144,14 @@ def test_a_verdict_mid_way_through_a_lean_forward(model, verdict):
             if step.done:
                 control.verify(3)
     [span] = [s for s in exporter.get_finished_spans() if s.name == "test.round"]
-    stopped = [e for e in span.events if e.name == "specsplit.draft.forward_stopped"]
-    assert [e.attributes["specsplit.num_tokens"] for e in stopped] == ([] if verdict == "along" else [1])
+    forwards = [s for s in exporter.get_finished_spans() if s.name == "specsplit.draft.forward"]
+    assert all(f.parent.span_id == span.context.span_id for f in forwards)
+    phases = [f.attributes["specsplit.draft.phase"] for f in forwards]
+    assert phases[-3:] == ["provisional"] * 3 and set(phases[:-3]) == {"grow"}  # (3 nodes: 1-3 growth forwards)
+    stopped = [f for f in forwards if f.attributes.get("specsplit.draft.stopped")]
+    assert [f.attributes["specsplit.num_tokens"] for f in stopped] == ([] if verdict == "along" else [1])
+    assert stopped == [] or stopped == forwards[-1:]  # the third provisional forward; the stop is not an error
+    assert all(f.status.is_ok and not f.events for f in forwards)
     drafted = 6 if verdict == "along" else 5  # the third forward's token, or none
     assert tokens_of([s for s in steps if not s.provisional]) == greedy[:3]
     assert tokens_of([s for s in steps if s.provisional]) == greedy[3:drafted]
