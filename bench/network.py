@@ -56,7 +56,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see specspl
 import argparse
 import json
 import pathlib
-import shutil
 import signal
 import subprocess
 import sys
@@ -70,13 +69,13 @@ ROOT = HERE.parent
 WARMUP_PROMPT = "Describe a walk through a forest in autumn."  # --warmup-tokens; not in bench/prompts.jsonl
 sys.path.insert(0, str(ROOT))
 
+import draft_trace  # noqa: E402
+from hosts import CLOUD_NS, EDGE_NS, Hosts, delete_namespaces, make_namespaces  # noqa: E402
 import procstat  # noqa: E402
 from network_report import TRIGGERS, parse_config, report, summarize  # noqa: E402
 from specsplit.config import OrchestratorConfig  # noqa: E402
 from specsplit.sampling import SamplingParams  # noqa: E402
 
-EDGE_NS, CLOUD_NS = "ss-edge", "ss-cloud"
-EDGE_IP, CLOUD_IP = "10.77.0.1", "10.77.0.2"
 VERIFIER_PORT, DRAFT_PORT, NGRAM_PORT, RELAY_PORT0 = 50052, 50053, 50054, 50060
 
 
@@ -108,80 +107,6 @@ def sampling_of(name: str, temperature: float, seed: int) -> SamplingParams:
     """A configuration's sampling (--temperature > 0: coupled draws, or rejection sampling for the rejection row)."""
     return SamplingParams(temperature, seed=seed, rejection=parse_config(name)[0] == "rejection") if temperature else \
         SamplingParams()
-
-
-# -- hosts --------------------------------------------------------------------------------------------
-def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, check=check, capture_output=True, text=True)
-
-
-def make_namespaces() -> bool:
-    """Two namespaces and a veth pair; False (after cleaning up) where that is not possible."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        return False
-    delete_namespaces()
-    try:
-        sh("ip", "netns", "add", EDGE_NS)
-        sh("ip", "netns", "add", CLOUD_NS)
-        sh("ip", "link", "add", "ss-veth-e", "type", "veth", "peer", "name", "ss-veth-c")
-        sh("ip", "link", "set", "ss-veth-e", "netns", EDGE_NS)
-        sh("ip", "link", "set", "ss-veth-c", "netns", CLOUD_NS)
-        for ns, dev, ip in ((EDGE_NS, "ss-veth-e", EDGE_IP), (CLOUD_NS, "ss-veth-c", CLOUD_IP)):
-            sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
-            sh("ip", "-n", ns, "link", "set", dev, "up")
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-        probe = (f"import socket\ntry: socket.create_connection(('{CLOUD_IP}', 9), timeout=3)\n"
-                 "except ConnectionRefusedError: pass")  # refused = the cloud host answered
-        sh("ip", "netns", "exec", EDGE_NS, sys.executable, "-c", probe)
-        return True
-    except (subprocess.CalledProcessError, FileNotFoundError) as err:
-        print(f"network namespaces unavailable ({err}); falling back to loopback", file=sys.stderr)
-        delete_namespaces()
-        return False
-
-
-def delete_namespaces() -> None:
-    for ns in (EDGE_NS, CLOUD_NS):
-        sh("ip", "netns", "del", ns, check=False)  # deleting a namespace deletes its veth end (and the pair)
-
-
-class Hosts:
-    """Where each process runs: a namespace (ip netns exec) or, in the fallback, this host's loopback."""
-
-    def __init__(self, netns: bool, cpus: dict[str, str], logdir: pathlib.Path):
-        """cpus: namespace -> taskset CPU list of its processes ('' = no pinning)."""
-        self.netns, self.cpus, self.logdir = netns, cpus, logdir
-        self.edge_ip, self.cloud_ip = (EDGE_IP, CLOUD_IP) if netns else ("127.0.0.1", "127.0.0.1")
-        self.procs: list[subprocess.Popen] = []
-
-    def prefix(self, ns: str) -> list[str]:
-        cpus = self.cpus.get(ns, "")
-        pin = ["taskset", "-c", cpus] if cpus and shutil.which("taskset") else []
-        return (["ip", "netns", "exec", ns] if self.netns else []) + pin
-
-    def start(self, ns: str, name: str, args: list[str], ready: str, timeout_s: float = 180.0) -> subprocess.Popen:
-        log = open(self.logdir / f"{name}.log", "w")
-        proc = subprocess.Popen(self.prefix(ns) + args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-        self.procs.append(proc)
-        deadline = time.time() + timeout_s
-        while time.time() < deadline:
-            text = (self.logdir / f"{name}.log").read_text()
-            if ready in text:
-                return proc
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited: {text[-2000:]}")
-            time.sleep(0.2)
-        raise RuntimeError(f"{name} not ready after {timeout_s:.0f} s")
-
-    def stop(self) -> None:
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 # -- the driver (orchestrator + client, on the edge) ------------------------------------------------
@@ -255,12 +180,14 @@ def drive(args) -> None:
                 pids = {"draft": busy_pids["ngram" if name == "ngram" else "draft"], "verifier": busy_pids["verifier"],
                         "orchestrator": os.getpid(), "relay": busy_pids.get(f"relay-{rtt}")}  # (None: not read)
                 cpu_before = procstat.read(pids)
+                window = [time.time_ns()]  # (wall clock: the draft's exported spans are stamped with it)
                 start = time.perf_counter()
                 chunks, at = [], []  # at: ms since the start when each chunk arrived
                 for chunk in orchs[name].generate(request):
                     chunks.append(chunk)
                     at.append((time.perf_counter() - start) * 1e3)
                 elapsed = time.perf_counter() - start
+                window.append(time.time_ns())
                 cpu_ms = procstat.used(cpu_before, procstat.read(pids))  # each service process's CPU time
                 stats = [c.stats for c in chunks if c.stats is not None]
                 timeline = [[round(ms), c.stats.drafter, c.stats.num_draft_tokens, c.stats.num_accepted,
@@ -281,7 +208,7 @@ def drive(args) -> None:
                     # per round: [ms at its chunk, drafter, tree nodes, accepted, committed, provisional kept, draft ms,
                     # verifier ms]
                     "rounds_timeline": timeline,
-                    "cpu_ms": cpu_ms,
+                    "cpu_ms": cpu_ms, "window": window,
                 })
         for name in args.config_list:
             orchs[name].close()
@@ -344,6 +271,9 @@ def parse_args(argv=None):
     parser.add_argument("--cloud-cpus", default="1", help="taskset CPUs of the cloud host: verifier, relays (default 1: "
                         "separate machines get separate cores; give both 0 to share one core)")
     parser.add_argument("--no-netns", action="store_true", help="skip namespaces: loopback relay (labelled so)")
+    parser.add_argument("--draft-trace", action="store_true",
+                        help="the draft exports its spans to its log and each row gets its draft forwards' time by "
+                             "phase (bench/draft_trace.py); the exporter costs the draft a little time")
     parser.add_argument("--out", default=str(HERE / "results"), help="results directory (default bench/results)")
     parser.add_argument("--report-only", action="store_true", help="rewrite network.md/png from network.json")
     parser.add_argument("--conditions", default="", help="a line describing the machine, stored with the results")
@@ -407,7 +337,8 @@ def main(argv=None) -> int:
         width = ["--grow-width", str(args.grow_width)] if args.grow_width else []  # default: the service's
         draft = hosts.start(EDGE_NS, "draft", serve + [
             "draft", "--listen", f"{hosts.edge_ip}:{DRAFT_PORT}", *drafter, *width,
-            "--branch-threshold", str(args.branch_threshold), *common, *cold_draft], "serving on")
+            "--branch-threshold", str(args.branch_threshold), *common, *cold_draft], "serving on",
+            env=draft_trace.ENV if args.draft_trace else None)
         ngram = hosts.start(EDGE_NS, "ngram", serve + [
             "draft", "--listen", f"{hosts.edge_ip}:{NGRAM_PORT}", "--draft", "ngram", *common], "serving on")
         driver_out = logdir / "driver.json"
@@ -428,6 +359,9 @@ def main(argv=None) -> int:
         hosts.stop()
         if netns:
             delete_namespaces()
+    if args.draft_trace:  # (once the draft has stopped: its exporter has written every span)
+        outside = draft_trace.attribute(rows, draft_trace.read_forwards((logdir / "draft.log").read_text()))
+        print(f"draft trace: {outside} draft forwards outside the timed generations (warm-ups, last rounds)")
     for r in rows:
         r["network"] = network
         r["draft_growth"] = {"grow_width": args.grow_width, "branch_threshold": args.branch_threshold}

@@ -9,6 +9,7 @@ import pathlib
 import sys
 
 import procstat
+from draft_trace import table as draft_table
 
 TRIGGERS = ("edgellm", "goodput")
 IDENTICAL = {True: "yes", False: "NO", None: "-"}  # None: not checked (rejection sampling)
@@ -104,7 +105,7 @@ def report(data: dict, out: pathlib.Path) -> str:
                 lines.append(f"- decode bursts, {r['config']} ({r.get('decoded', 0)} tokens decoded in bursts): "
                              f"{r['tokens_per_s'] / single['tokens_per_s']:.2f}x tokens/s of one token a request "
                              f"({r['config']}@b1)")
-        lines.append("")
+        lines += draft_table(at) + [""]
     zero = {r["config"]: r for r in rows if r["rtt_ms"] == 0}
     if zero:
         lines += ["## Tokens/s kept relative to RTT 0", "", "| config | " + " | ".join(f"RTT {t}" for t in rtts) + " |",
