@@ -65,18 +65,14 @@ def attribute(rows: list[dict], forwards: list[dict]) -> int:
     a generation's last round ending after its window closed)."""
     placed = 0
     for row in rows:
+        of_row = []
         for run in row["runs"]:
             start, end = run.get("window", (0, -1))
             mine = [f for f in forwards if start <= f["start_ns"] <= end]
             run["draft_forwards"] = _tally(mine)
-            placed += len(mine)
-        total: dict = {}
-        for run in row["runs"]:
-            for phase, entry in run["draft_forwards"].items():
-                into = total.setdefault(phase, {"forwards": 0, "tokens": 0, "ms": 0.0})
-                for key in into:
-                    into[key] += entry[key]
-        row["draft_forwards"] = total
+            of_row += mine
+        row["draft_forwards"] = _tally(of_row)
+        placed += len(of_row)
     return len(forwards) - placed
 
 

@@ -40,11 +40,12 @@ batch_tokens = _meter.create_histogram("specsplit.verifier.batch.tokens", unit="
                                        description="tokens per forward")
 sessions = _meter.create_up_down_counter("specsplit.verifier.sessions", unit="{session}",
                                          description="sessions whose K/V the verifier holds")
+refused = _meter.create_counter("specsplit.verifier.refused", unit="{request}",
+                                description="new sessions refused with RESOURCE_EXHAUSTED, by reason")
+
 draft_forward_duration = _meter.create_histogram(
     "specsplit.draft.forward.duration", unit="ms",
     description="one draft forward in a streamed round, by phase (grow, given, span, provisional) and stopped")
-refused = _meter.create_counter("specsplit.verifier.refused", unit="{request}",
-                                description="new sessions refused with RESOURCE_EXHAUSTED, by reason")
 
 
 def record_round(stats, start: float) -> None:
