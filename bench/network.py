@@ -39,6 +39,7 @@ per 100 tokens, wasted draft tokens, kept provisional tokens, tokens decoded in 
     sudo python bench/network.py --rtts 0,20,50,100                   # everything (long on a CPU)
     python bench/network.py --rtts 50 --max-new-tokens 48 --prompts chat_guitar,sum_bees
     python bench/network.py --rtts 50 --configs goodput+prov,fixed-8+0   # a subset
+    python bench/network.py --rtts 50 --draft-trace                    # + where the draft's time goes, by phase
     python bench/network.py --report-only                             # redraw md/png from the json
 
 The draft is the target itself (default): a full-acceptance control, not a realistic draft cost; or
