@@ -56,6 +56,8 @@ def test_forwards_are_read_back_from_a_log_and_counted_to_their_generation():
     try:
         window = [time.time_ns()]
         traced_round(console)
+        time.sleep(0.05)  # (the draft waiting for the next round)
+        traced_round(console)
         window.append(time.time_ns())
         traced_round(console)  # outside every window: a warm-up
     finally:
@@ -64,16 +66,20 @@ def test_forwards_are_read_back_from_a_log_and_counted_to_their_generation():
 
     forwards = draft_trace.read_forwards(log)
     phases = [f["phase"] for f in forwards]
-    assert phases == 2 * ["span", "grow", "provisional", "provisional", "provisional", "stopped"]  # (root row: none)
+    assert phases == 3 * ["span", "grow", "provisional", "provisional", "provisional", "stopped"]  # (root row: none)
     assert [f["tokens"] for f in forwards[:6]] == [2, 1, 1, 1, 1, 1]
     assert all(f["ms"] >= 0 for f in forwards)
+    assert len({f["round"] for f in forwards}) == 3 and len({f["round"] for f in forwards[:6]}) == 1
 
-    rows = [{"config": "goodput+prov", "tokens": 7, "seconds": (window[1] - window[0]) / 1e9,
+    rows = [{"config": "goodput+prov", "tokens": 14, "seconds": (window[1] - window[0]) / 1e9,
              "runs": [{"window": window}, {}]}]  # (a run from before --draft-trace has no window)
-    assert draft_trace.attribute(rows, forwards) == 6
+    assert draft_trace.attribute(rows, forwards) == 6  # the warm-up's
     tally = rows[0]["draft_forwards"]
     assert {phase: entry["forwards"] for phase, entry in tally.items()} == {
-        "span": 1, "grow": 1, "provisional": 3, "stopped": 1}
-    assert tally["span"]["tokens"] == 2 and rows[0]["runs"][1]["draft_forwards"] == {}
+        "span": 2, "grow": 2, "provisional": 6, "stopped": 2}
+    assert tally["span"]["tokens"] == 4 and rows[0]["runs"][1]["draft_forwards"] == {}
+    waits = rows[0]["draft_waits"]
+    assert waits["between"] == 1 and waits["between_ms"] >= 50 and 0 <= waits["within_ms"] < waits["between_ms"]
     [line] = [line for line in draft_trace.table(rows) if line.startswith("| goodput+prov")]
-    assert line.split(" | ")[2] == "-"  # no forward of the "given" phase
+    cells = line.split(" | ")
+    assert cells[2] == "-" and float(cells[-1].rstrip(" |")) >= 50  # no "given" forward; the wait between the rounds
