@@ -78,8 +78,8 @@ def _waits(forwards: list[dict]) -> dict:
 
 def attribute(rows: list[dict], forwards: list[dict]) -> int:
     """Add ``draft_forwards`` and ``draft_waits`` to each run (of each row) with a ``window`` [start_ns, end_ns], from
-    the forwards that started inside it, and the sums over its runs to each row. Returns how many forwards fell in no window (warm-ups,
-    a generation's last round ending after its window closed)."""
+    the forwards that started inside it, and the sums over its runs to each row. Returns how many forwards fell in no
+    window (warm-ups, a generation's last round ending after its window closed)."""
     placed = 0
     for row in rows:
         of_row = []
