@@ -1,7 +1,7 @@
 """Where the draft's time goes in a network bench run (``bench/network.py --draft-trace``).
 
-The draft service runs with ``OTEL_TRACES_EXPORTER=console`` (``ENV``), so its log holds every ``specsplit.draft.forward``
-span (``draft_service.rounds.GrowthRound``: phase, tokens, stopped) as JSON. Each forward is counted to the generation
+The draft service runs with ``OTEL_TRACES_EXPORTER=console`` (``ENV``), so its log holds every
+``specsplit.draft.forward`` span (``draft_service.rounds.GrowthRound``: phase, tokens, stopped) as JSON. Each forward is counted to the generation
 whose wall-clock window holds its start (the driver records each generation's ``window``; the namespaces share the
 host's clock), and each run and row gets ``draft_forwards``: per phase (``grow``, ``given``, ``span``,
 ``provisional``, and ``stopped`` for forwards the verdict stopped, whatever their phase) the forwards, their tokens
