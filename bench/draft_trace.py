@@ -1,13 +1,13 @@
 """Where the draft's time goes in a network bench run (``bench/network.py --draft-trace``).
 
 The draft service runs with ``OTEL_TRACES_EXPORTER=console`` (``ENV``), so its log holds every
-``specsplit.draft.forward`` span (``draft_service.rounds.GrowthRound``: phase, tokens, stopped) as JSON. Each forward is counted to the generation
-whose wall-clock window holds its start (the driver records each generation's ``window``; the namespaces share the
-host's clock), and each run and row gets ``draft_forwards``: per phase (``grow``, ``given``, ``span``,
-``provisional``, and ``stopped`` for forwards the verdict stopped, whatever their phase) the forwards, their tokens
-and their milliseconds, and ``draft_waits``: the time between one forward's end and the next one's start, within a
-round (the same ``specsplit.draft.grow`` span) and between rounds. ``table`` puts them beside the committed tokens: what
-a committed token cost the draft in each phase, how much of the generation's wall time the draft spent in forwards,
+``specsplit.draft.forward`` span (``draft_service.rounds.GrowthRound``: phase, tokens, stopped) as JSON. Each forward is
+counted to the generation whose wall-clock window holds its start (the driver records each generation's ``window``; the
+namespaces share the host's clock), and each run and row gets ``draft_forwards``: per phase (``grow``, ``given``,
+``span``, ``provisional``, and ``stopped`` for forwards the verdict stopped, whatever their phase) the forwards, their
+tokens and their milliseconds, and ``draft_waits``: the time between one forward's end and the next one's start, within
+a round (the same ``specsplit.draft.grow`` span) and between rounds. ``table`` puts them beside the committed tokens:
+what a committed token cost the draft in each phase, how much of the generation's wall time the draft spent in forwards,
 and how long it waited between rounds.
 
 The console exporter costs the traced draft some time (a span's JSON, written by a background thread on the draft's
