@@ -111,7 +111,7 @@ def table(rows: list[dict]) -> list[str]:
         cells = [f"{tally[p]['ms'] / tokens:.2f}" if p in tally else "-" for p in PHASES]
         forwards = sum(e["forwards"] for e in tally.values())
         busy = sum(e["ms"] for e in tally.values()) / 1e3 / row["seconds"] if row["seconds"] else 0.0
-        waits = row.get("draft_waits") or {"within_ms": 0.0, "between_ms": 0.0, "between": 0}
+        waits = row["draft_waits"]
         between = f"{waits['between_ms'] / waits['between']:.1f}" if waits["between"] else "-"
         lines.append(f"| {row['config']} | " + " | ".join(cells) + f" | {forwards / tokens:.2f} | {busy:.0%} | "
                      f"{waits['within_ms'] / tokens:.2f} | {between} |")

@@ -22,7 +22,7 @@ import draft_trace  # noqa: E402
 VOCAB = 64
 
 
-def traced_round(console: io.StringIO) -> None:
+def traced_round() -> None:
     """A round of a toy model (t -> t + 1) that copies a 2-token span at the root, grows to 4 nodes (the span's
     forward gave the third node's row), drafts three provisional tokens and is closed during its fourth provisional
     forward, which stops."""
@@ -55,11 +55,11 @@ def test_forwards_are_read_back_from_a_log_and_counted_to_their_generation():
     trace.get_tracer_provider().add_span_processor(processor)
     try:
         window = [time.time_ns()]
-        traced_round(console)
+        traced_round()
         time.sleep(0.05)  # (the draft waiting for the next round)
-        traced_round(console)
+        traced_round()
         window.append(time.time_ns())
-        traced_round(console)  # outside every window: a warm-up
+        traced_round()  # outside every window: a warm-up
     finally:
         processor.shutdown()
     log = "INFO draft: serving on 10.77.0.1:50053 {not json\n" + console.getvalue() + "INFO draft: stopping\n"
