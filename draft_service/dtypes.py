@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draft_service import lean
+from draft_service import int4_vnni
 from draft_service.quantized import INT4, int4_available, int4_fits, int8_available
 from specsplit import kvcache
 from specsplit.models import resolve_dtype
@@ -171,7 +172,7 @@ def calibration_file() -> pathlib.Path | None:
 
 def _machine_key(model, threads: int, step_dtypes, many_dtypes, lean_here: bool) -> str:
     """What a calibration's times depend on: the CPU (its name and instruction-set flags), torch, the draft's
-    threads, the model's shape (not its weights) and the candidates."""
+    threads, the model's shape (not its weights), the candidates and which kernel runs int4 weights."""
     cpu = flags = ""
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
@@ -185,7 +186,8 @@ def _machine_key(model, threads: int, step_dtypes, many_dtypes, lean_here: bool)
                                                  "num_attention_heads", "num_key_value_heads", "vocab_size")]
     return json.dumps([cpu or platform.machine(), hashlib.sha256(flags.encode()).hexdigest()[:16], torch.__version__,
                        threads or torch.get_num_threads(), shape, [dtype_name(d) for d in step_dtypes],
-                       [dtype_name(d) for d in many_dtypes], lean_here])
+                       [dtype_name(d) for d in many_dtypes], lean_here]
+                      + (["int4 vnni"] if INT4 in step_dtypes and int4_vnni.available() else []))
 
 
 def _read(path: pathlib.Path) -> dict:
