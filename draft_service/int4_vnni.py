@@ -37,7 +37,6 @@ CFLAGS = ("-O3", "-shared", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512vnni", 
 KERNEL_ENV = "SPECSPLIT_INT4_KERNEL"  # "torch": PyTorch's int4 kernel even where this one runs
 GROUP = 32  # weights sharing a scale and a low value along a row (quantized.INT4_GROUP)
 BLOCK = 16  # rows a kernel block holds, one a 32-bit lane
-MAX_K = 4096  # the longest row the kernel takes (its stack buffers)
 
 
 def _cpu_flags() -> set[str]:
@@ -90,7 +89,7 @@ def available(device: torch.device | str = "cpu") -> bool:
 
 def fits(rows: int, cols: int) -> bool:
     """Whether an [rows, cols] weight packs into the kernel's blocks."""
-    return rows % BLOCK == 0 and cols % GROUP == 0 and cols <= MAX_K
+    return rows % BLOCK == 0 and cols % GROUP == 0
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
-
-#define MAX_K 4096
+#include <stdlib.h>
 
 static void quantize(const float* x, int groups, int8_t* high, int8_t* low, float* step, float* total) {
     for (int g = 0; g < groups; g++) {
@@ -35,22 +34,36 @@ static void quantize(const float* x, int groups, int8_t* high, int8_t* low, floa
     }
 }
 
-/* x: [rows, k] float32, y: [rows, n] float32. Returns 0, or -1 for a shape it does not take. */
+/* x: [rows, k] float32, y: [rows, n] float32. Returns 0, or -1 for a shape it does not take (or no memory). Each block
+   of 16 weight rows (k / 2 bytes a row: 4.5 KB for k = 576) is read from memory once and kept in cache for every row
+   of x, so a forward of a few tokens costs little more than one. */
 int q4_vnni_matmul(const uint8_t* levels, const float* scales, const float* lows, const float* x, float* y,
                    int rows, int n, int k) {
-    if (k % 32 || n % 16 || k > MAX_K) return -1;
+    if (k % 32 || n % 16) return -1;
+    if (rows < 1) return 0;
     int groups = k / 32;
-    int8_t high[MAX_K] __attribute__((aligned(64))), low8[MAX_K] __attribute__((aligned(64)));
-    float step[MAX_K / 16], total[MAX_K / 32];
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    int8_t* parts = aligned_alloc(64, (size_t)rows * 2 * k);  /* per row: k high parts, then k low parts */
+    float* steps = malloc(sizeof(float) * (size_t)rows * 3 * groups);  /* per row: 2 steps a group, then sums */
+    if (!parts || !steps) {
+        free(parts);
+        free(steps);
+        return -1;
+    }
     for (int q = 0; q < rows; q++) {
-        quantize(x + (size_t)q * k, groups, high, low8, step, total);
-        const int32_t* h4 = (const int32_t*)high;  /* 4 int8 activations a lane */
-        const int32_t* l4 = (const int32_t*)low8;
-        for (int b = 0; b < n / 16; b++) {
-            const uint8_t* block = levels + (size_t)b * groups * 256;
-            const float* scale = scales + (size_t)b * groups * 16;
-            const float* low = lows + (size_t)b * groups * 16;
+        float* step = steps + (size_t)q * 3 * groups;
+        quantize(x + (size_t)q * k, groups, parts + (size_t)q * 2 * k, parts + (size_t)q * 2 * k + k, step,
+                 step + 2 * groups);
+    }
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int b = 0; b < n / 16; b++) {
+        const uint8_t* block = levels + (size_t)b * groups * 256;
+        const float* scale = scales + (size_t)b * groups * 16;
+        const float* low = lows + (size_t)b * groups * 16;
+        for (int q = 0; q < rows; q++) {
+            const int32_t* h4 = (const int32_t*)(parts + (size_t)q * 2 * k);  /* 4 int8 activations a lane */
+            const int32_t* l4 = (const int32_t*)(parts + (size_t)q * 2 * k + k);
+            const float* step = steps + (size_t)q * 3 * groups;
+            const float* total = step + 2 * groups;
             __m512 acc = _mm512_setzero_ps();
             for (int g = 0; g < groups; g++) {
                 __m512i dot_high = _mm512_setzero_si512(), dot_low = _mm512_setzero_si512();
@@ -74,5 +87,7 @@ int q4_vnni_matmul(const uint8_t* levels, const float* scales, const float* lows
             _mm512_storeu_ps(y + (size_t)q * n + 16 * b, acc);
         }
     }
+    free(parts);
+    free(steps);
     return 0;
 }
