@@ -76,7 +76,12 @@ def _library() -> ctypes.CDLL | None:
             log.warning("int4 draft weights: building %s failed (%s %s); PyTorch's int4 kernel is used", SOURCE.name,
                         err, detail.decode(errors="replace")[-500:])
             return None
-    lib = ctypes.CDLL(str(path))
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as err:  # (a file left broken by something else: removed, so the next start builds it again)
+        log.warning("int4 draft weights: cannot load %s (%s); PyTorch's int4 kernel is used", path, err)
+        path.unlink(missing_ok=True)
+        return None
     lib.q4_vnni_matmul.restype = ctypes.c_int
     lib.q4_vnni_matmul.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3
     return lib
