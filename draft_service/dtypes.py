@@ -39,8 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draft_service import lean
-from draft_service import int4_vnni
+from draft_service import int4_vnni, lean
 from draft_service.quantized import INT4, int4_available, int4_fits, int8_available
 from specsplit import kvcache
 from specsplit.models import resolve_dtype

@@ -4,12 +4,12 @@ PyTorch's CPU int4 matmul unpacks each weight to a float: on one Zen 4 core it r
 matmuls (SmolLM2) in ~9 ms, reading ~84 MB of packed weights at ~10 GB/s where the core reads memory at ~27 GB/s.
 This kernel splits each row of activations per group of 32 into two int8 parts (whole steps of max |x| / 127, and
 what that leaves in 254ths of a step: ~16 bits) and multiplies 16 rows by 4 weights in one instruction
-(``vpdpbusd``), exactly: the same matmuls in ~6 ms (``bench/NETWORK.md``, "The issue's targets on a Zen 4 EPYC").
-The weights are quantized exactly as ``quantized.Int4Weight`` quantizes them, their scales kept in float32 (PyTorch's
-kernel rounds scales and activations to bfloat16). It is a draft: the kernel moves how often a draft token is
-accepted (``bench/draft_dtypes.py``), never the output.
+(``vpdpbusd``), every product exact: the lean forward's one-token step took 12.1 ms against 14.8 there (README "The
+int4 kernel"). The weights are quantized as ``quantized.Int4Weight`` quantizes them (``quantized.int4_levels``),
+their scales kept in float32 (PyTorch's kernel rounds scales and activations to bfloat16). It is a draft: the kernel
+moves how often a draft token is accepted (``bench/draft_dtypes.py``), never the output.
 
-The kernel is built with the system C compiler on first use, into the cache dir, once per source and CPU; where
+The kernel is built with the system C compiler on first use, into the cache dir, once per source; where
 there is no compiler, no AVX-512 VNNI or the build fails, ``available()`` is False and int4 weights use PyTorch's
 kernel (``quantized.Int4Weight``). ``SPECSPLIT_INT4_KERNEL=torch`` asks for PyTorch's kernel anyway.
 """
@@ -29,13 +29,15 @@ from dataclasses import dataclass
 
 import torch
 
+from draft_service.quantized import INT4_GROUP, int4_levels
+
 log = logging.getLogger(__name__)
 
 SOURCE = pathlib.Path(__file__).parent / "native" / "q4_vnni.c"
 FLAGS = ("avx512f", "avx512bw", "avx512_vnni")  # /proc/cpuinfo's names for what the kernel uses
 CFLAGS = ("-O3", "-shared", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mfma")
 KERNEL_ENV = "SPECSPLIT_INT4_KERNEL"  # "torch": PyTorch's int4 kernel even where this one runs
-GROUP = 32  # weights sharing a scale and a low value along a row (quantized.INT4_GROUP)
+GROUP = INT4_GROUP  # weights sharing a scale and a low value along a row
 BLOCK = 16  # rows a kernel block holds, one a 32-bit lane
 
 
@@ -108,19 +110,15 @@ class VnniInt4Weight:
 
     @staticmethod
     def of(weight: torch.Tensor) -> "VnniInt4Weight":
-        weight = weight.float()  # [N, K]
         rows, cols = weight.shape
         groups = cols // GROUP
-        grouped = weight.view(rows, groups, GROUP)  # [N, K/G, G]
-        low = grouped.amin(dim=-1)  # [N, K/G]
-        scale = ((grouped.amax(dim=-1) - low) / 15).clamp(min=1e-12)  # [N, K/G]
-        levels = torch.round((grouped - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)  # [N, K/G, G]
+        levels, scale, low = int4_levels(weight, GROUP)  # [N, K/G, G], [N, K/G, 1], [N, K/G, 1]
         # a group's 32 levels as 4 runs of 8: byte i of run j holds levels 8j + i and 8j + 4 + i
         runs = levels.view(rows // BLOCK, BLOCK, groups, 4, 8)  # [N/16, 16, K/G, 4, 8]
         packed = runs[..., :4] | (runs[..., 4:] << 4)  # [N/16, 16, K/G, 4, 4]
         packed = packed.permute(0, 2, 3, 1, 4).contiguous()  # [N/16, K/G, 4, 16, 4]
 
-        def blocked(t: torch.Tensor) -> torch.Tensor:  # [N, K/G] -> [N/16, K/G, 16]
+        def blocked(t: torch.Tensor) -> torch.Tensor:  # [N, K/G, 1] -> [N/16, K/G, 16]
             return t.view(rows // BLOCK, BLOCK, groups).transpose(1, 2).contiguous()
 
         return VnniInt4Weight(packed, blocked(scale), blocked(low), (rows, cols))

@@ -81,6 +81,19 @@ class Int8Weight:
         return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.values, self.scales)
 
 
+def int4_levels(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] weights in groups of ``group`` along a row -> (levels [N, K/G, G] uint8 in 0..15, scale [N, K/G, 1], low
+    [N, K/G, 1]), float32: weight ~ low + levels * scale (round to nearest, the group's min and max the levels 0 and
+    15)."""
+    weight = weight.float()  # [N, K]
+    rows, cols = weight.shape
+    grouped = weight.view(rows, cols // group, group)  # [N, K/G, G]
+    low = grouped.amin(dim=-1, keepdim=True)  # [N, K/G, 1]
+    scale = ((grouped.amax(dim=-1, keepdim=True) - low) / 15).clamp(min=1e-12)  # [N, K/G, 1]
+    levels = torch.round((grouped - low) / scale).clamp(0, 15).to(torch.uint8)  # [N, K/G, G]
+    return levels, scale, low
+
+
 @dataclass(frozen=True)
 class Int4Weight:
     """A linear's weight in int4 groups: weight[n, g*G:(g+1)*G] ~ values * scale[g, n] + low[g, n], values in 0..15
@@ -92,12 +105,8 @@ class Int4Weight:
 
     @staticmethod
     def of(weight: torch.Tensor, group: int = INT4_GROUP) -> "Int4Weight":
-        weight = weight.float()  # [N, K]
-        rows, cols = weight.shape
-        grouped = weight.view(rows, cols // group, group)  # [N, K/G, G]
-        low = grouped.amin(dim=-1, keepdim=True)  # [N, K/G, 1]
-        scale = ((grouped.amax(dim=-1, keepdim=True) - low) / 15).clamp(min=1e-12)  # [N, K/G, 1]
-        values = torch.round((grouped - low) / scale).clamp(0, 15).to(torch.int32).view(rows, cols)  # [N, K]
+        levels, scale, low = int4_levels(weight, group)  # [N, K/G, G], [N, K/G, 1], [N, K/G, 1]
+        values = levels.to(torch.int32).view(weight.shape)  # [N, K]
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 2)
         # the kernel computes (value - 8) * scale + zero: zero is the group's value at level 8
         zeros = low + 8 * scale  # [N, K/G, 1]
