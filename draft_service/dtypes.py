@@ -33,13 +33,12 @@ import json
 import logging
 import os
 import pathlib
-import platform
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from draft_service import int4_vnni, lean
+from draft_service import int4_kernel, lean
 from draft_service.quantized import INT4, int4_available, int4_fits, int8_available
 from specsplit import kvcache
 from specsplit.models import resolve_dtype
@@ -172,21 +171,14 @@ def calibration_file() -> pathlib.Path | None:
 def _machine_key(model, threads: int, step_dtypes, many_dtypes, lean_here: bool) -> str:
     """What a calibration's times depend on: the CPU (its name and instruction-set flags), torch, the draft's
     threads, the model's shape (not its weights), the candidates and which kernel runs int4 weights."""
-    cpu = flags = ""
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            name, _, value = line.partition(":")
-            cpu = cpu or (value.strip() if name.strip() == "model name" else "")
-            flags = flags or (value.strip() if name.strip() == "flags" else "")
-    except OSError:  # not Linux
-        cpu = platform.processor()
+    cpu, flags = int4_kernel.cpu_info()
     config = model.config
     shape = [getattr(config, a, None) for a in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                                  "num_attention_heads", "num_key_value_heads", "vocab_size")]
-    return json.dumps([cpu or platform.machine(), hashlib.sha256(flags.encode()).hexdigest()[:16], torch.__version__,
+    return json.dumps([cpu, hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:16], torch.__version__,
                        threads or torch.get_num_threads(), shape, [dtype_name(d) for d in step_dtypes],
                        [dtype_name(d) for d in many_dtypes], lean_here]
-                      + (["int4 vnni"] if INT4 in step_dtypes and int4_vnni.available() else []))
+                      + ([f"int4 {int4_kernel.kernel()}"] if INT4 in step_dtypes and int4_kernel.kernel() else []))
 
 
 def _read(path: pathlib.Path) -> dict:

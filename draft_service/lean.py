@@ -13,7 +13,7 @@ same math with less around it:
   through ``scaled_dot_product_attention``.
 
 Weights may be kept in a 16-bit dtype (the matmuls then run in it), as int8 or as int4 (``draft_service/quantized.py``:
-the matmuls fed bfloat16 activations; int4 through ``draft_service/int4_vnni.py``'s kernel where that runs) while
+the matmuls fed bfloat16 activations; int4 through ``draft_service/int4_kernel.py``'s kernel where that runs) while
 activations, attention and the cache stay float32, so a step model and a many-token model of other weight dtypes share
 one cache with no casts. It is a draft: its
 tokens are proposals the float32 target verifies exactly, so it changes the chance a draft token is accepted
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from draft_service import int4_vnni
+from draft_service import int4_kernel
 from draft_service.quantized import INT4, Int4Weight, Int8Weight, RescoredHead, int4_available, int4_fits, int8_available
 from specsplit.kvcache import LeanCache
 from specsplit.llama import kv_shape, rms_norm, rotate_half, supports
@@ -82,13 +82,13 @@ class LeanLlama:
         self.eps = config.rms_norm_eps
         self._rotary = model.model.rotary_emb
 
-        def weight(*linears) -> torch.Tensor | Int8Weight | Int4Weight | int4_vnni.VnniInt4Weight:
+        def weight(*linears) -> torch.Tensor | Int8Weight | Int4Weight | int4_kernel.PackedInt4Weight:
             stacked = torch.cat([lin.weight.detach() for lin in linears])  # [N, K]
             if self.weight_dtype == torch.int8:
                 return Int8Weight.of(stacked)
             if self.weight_dtype == INT4:
-                vnni = int4_vnni.available(self.device) and int4_vnni.fits(*stacked.shape)
-                return int4_vnni.VnniInt4Weight.of(stacked) if vnni else Int4Weight.of(stacked)
+                native = int4_kernel.available(self.device) and int4_kernel.fits(*stacked.shape)
+                return int4_kernel.PackedInt4Weight.of(stacked) if native else Int4Weight.of(stacked)
             return stacked.to(self.weight_dtype).contiguous()
 
         def norm(module) -> torch.Tensor:

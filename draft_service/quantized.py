@@ -7,8 +7,8 @@ accepted (measured by ``bench/draft_dtypes.py``), never the output.
 
 - ``Int8Weight``: one scale per output row (symmetric), PyTorch's weight-only int8 matmul.
 - ``Int4Weight``: groups of ``INT4_GROUP`` weights along a row, each with its own scale and zero (asymmetric,
-  round to nearest), PyTorch's CPU int4 matmul (where its kernel runs, ``draft_service/int4_vnni.py``'s
-  ``VnniInt4Weight`` holds the same levels instead). Groups of 64 lost 13% of the greedy agreement on SmolLM2
+  round to nearest), PyTorch's CPU int4 matmul (where its kernel runs, ``draft_service/int4_kernel.py``'s
+  ``PackedInt4Weight`` holds the same levels instead). Groups of 64 lost 13% of the greedy agreement on SmolLM2
   (86.9% against 99.8%, 8 prompts x 64 tokens); groups of 32 lost almost nothing in the layers.
 - ``RescoredHead``: an LM head is where 4 bits hurt most (SmolLM2, int4 layers and head: 94.1% agreement with
   the float32 target), because the argmax over 49,152 logits turns on small differences. So the int4 head only

@@ -134,6 +134,7 @@ def built_once(target: pathlib.Path, build) -> pathlib.Path:
         staging = pathlib.Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
         try:
             build(staging)
+            (staging / "complete").touch()  # (a build may have written it, with what it built from)
             if target.exists():
                 shutil.rmtree(target)  # an incomplete one, left by a process that died building it
             staging.rename(target)
