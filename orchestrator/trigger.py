@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from orchestrator.pipeline_size import Stretches
 from orchestrator.span_length import SpanChances, VerifyCost, span_nodes
 from specsplit.lookup import LOOKUP_MAX
 
@@ -199,6 +200,7 @@ class GoodputThreshold:
     resync: bool = False
     cost: VerifyCost = field(default_factory=VerifyCost)  # verification ms against tree nodes (copied spans' length)
     spans: SpanChances = field(default_factory=SpanChances)  # how right copied spans have been
+    stretches: Stretches = field(default_factory=Stretches)  # how far pipelined trees grow past pipeline_nodes
 
     def should_verify(self, confidence: float, num_nodes: int, fresh: bool = False, kept: bool = False) -> bool:
         """T < α; but while drafted rounds' provisional drafting usually follows the committed path (pipelined:
@@ -229,7 +231,10 @@ class GoodputThreshold:
             size = self.pipeline_nodes()
             if fresh:
                 return num_nodes >= math.ceil(size / 2) or not self.likely_whole(confidence)
-            missing = size - num_nodes
+            stretched = self.stretches.size(size)
+            missing = stretched - num_nodes
+            if stretched > size:  # (past the balance point the measured rates decide, not _waiting_pays's model)
+                return missing <= 0 or not self.likely_whole(confidence)
             return (missing <= 0 or not self.likely_whole(confidence)
                     or not self._waiting_pays(num_nodes, missing, missing + (1 if kept else 0)))
         return confidence < self.alpha
@@ -344,10 +349,15 @@ class GoodputThreshold:
         if outcome.verify_ms > 0 and not outcome.after_prefill and (outcome.nodes or outcome.committed == 1):
             self.cost.observe(outcome.nodes, outcome.verify_ms)  # (not a decode burst: many forwards in one call)
         if outcome.copied:  # neither kind of round; the draft skipped its tokens (or ran them in one forward)
+            self.stretches.discard()
             self.spans.observe(outcome.nodes, outcome.num_accepted)
             self.resync = True
             return
         self.spans.interrupt()
+        if outcome.plain:
+            self.stretches.discard()
+        else:
+            self.stretches.observe(outcome.committed, outcome.round_ms)
         if not outcome.plain and self.resync:
             self.resync = False
             return  # not measured (see resync); a due probe stays due

@@ -1,9 +1,19 @@
 """α rules of the verification trigger: EdgeLLM's baseline and the goodput controller."""
 
+import math
+
 import pytest
+
+from orchestrator.pipeline_size import Stretches
 
 from orchestrator.trigger import (FINISH_NODES, EdgeLLMThreshold, FixedSize, GoodputThreshold, RoundOutcome, fit_gamma,
                                   leaves_stub, make_trigger, tree_confidence)
+
+
+def balance_point_only(trigger: GoodputThreshold) -> GoodputThreshold:
+    """Pipelined trees of the balance point's size alone (the tests of pipeline_nodes; Stretches has its own)."""
+    trigger.stretches = Stretches(choices=(1.0,))
+    return trigger
 
 
 def outcome(n_all, n_ok, committed=None, round_ms=100.0, steps=4, draft_ms=40.0, confidences=None):
@@ -113,7 +123,7 @@ def test_goodput_pipelined_drafts_provisionally_whenever_the_branch_pays_for_the
 
 
 def test_goodput_pipelined_while_provisional_drafting_follows_the_committed_path():
-    t = make_trigger("goodput", pipeline=True)
+    t = balance_point_only(make_trigger("goodput", pipeline=True))
     assert t.should_verify(0.99, 1)  # before anything is measured: verify, and let the draft go on meanwhile
     # 3 draft forwards of 20 ms under each 60 ms verification: pipelined trees of at least 3 nodes
     kept = RoundOutcome(3, 3, (0.5, 0.3, 0.2), 4, 80.0, 0, 0.0, pipelined_next=True, verify_ms=60.0,
@@ -131,7 +141,7 @@ def test_goodput_pipelined_while_provisional_drafting_follows_the_committed_path
 
 
 def test_goodput_pipelined_trees_hold_what_the_draft_makes_during_one_verification():
-    t = make_trigger("goodput", pipeline=True)
+    t = balance_point_only(make_trigger("goodput", pipeline=True))
     assert t.pipeline_nodes() == 1  # nothing measured yet
     for _ in range(10):  # verification calls of 90 ms, draft forwards of 18 ms: 5 tokens a verification
         t.observe(RoundOutcome(5, 5, (0.5,) * 5, 6, 100.0, 5, 90.0, pipelined_next=True, verify_ms=90.0))
@@ -310,3 +320,42 @@ def test_a_tree_that_would_leave_a_stub_of_the_request_grows_on():
     assert not leaves_stub(11 - FINISH_NODES - 1, 11, remaining)  # enough left for a round of its own
     assert not leaves_stub(11, 11, remaining)  # the tree takes the rest already
     assert not leaves_stub(10, 11, remaining=40)  # the node budget bounds the tree, not the request's end
+
+
+def test_stretches_try_each_then_keep_the_fastest_and_probe_the_others_in_turn():
+    stretches = Stretches(choices=(1.0, 1.5, 2.0), probe_every=4)
+    ms_per_token = {1.0: 20.0, 1.5: 16.0, 2.0: 18.0}  # 1.5x the balance point is the fastest here
+    used = []
+    for _ in range(30):
+        nodes = stretches.size(10)
+        used.append(stretches.now)
+        assert nodes == math.ceil(10 * stretches.now)
+        stretches.observe(nodes + 1, (nodes + 1) * ms_per_token[stretches.now])
+    assert used[:3] == [1.0, 1.5, 2.0]  # each tried once
+    later = used[3:]
+    assert later.count(1.5) >= 0.7 * len(later)  # then the fastest
+    assert {1.0, 2.0} <= set(later)  # and the others now and then, each in turn
+    before = dict(stretches.rates)
+    stretches.observe(5, 1.0)  # an outcome of a round it did not size: nothing measured
+    assert stretches.rates == before
+    stretches.size(10)
+    stretches.discard()  # a copied span's round: not measured
+    stretches.observe(100, 1.0)
+    assert stretches.rates == before
+
+
+def test_goodput_pipelined_tree_grows_to_its_stretch_past_where_waiting_stops_paying():
+    """Past the balance point the measured rates decide: a stretched pipelined tree waits for its nodes even where
+    _waiting_pays's model would send it (verifier idle meanwhile), unless its branch is unlikely to be taken whole."""
+    t = make_trigger("goodput", pipeline=True)
+    for _ in range(10):  # verification calls of 280 ms, draft forwards of 45 ms: 6.2 forwards a verification
+        t.observe(RoundOutcome(7, 7, (0.9,) * 7, 8, 400.0, 0, 0.0, pipelined_next=True, verify_ms=280.0,
+                               provisional_steps=6, provisional_ms=270.0))
+    assert t.pipeline_nodes() == 7
+    t.stretches.now = 2.0
+    assert not t.should_verify(0.99, 6) and not t.should_verify(0.99, 13)  # (balance only: 6 went at once)
+    assert t.should_verify(0.99, 14)
+    assert t.should_verify(0.1 ** (1 / t.gamma), 8)  # a branch with a chance of 0.1 goes now
+    assert not t.should_verify(0.99, 3, fresh=True) and t.should_verify(0.99, 4, fresh=True)  # fresh: balance / 2
+    t.observe(RoundOutcome(14, 14, (0.9,) * 14, 15, 700.0, 0, 0.0, pipelined_next=True, verify_ms=300.0))
+    assert t.stretches.rates[2.0] == (15, 700.0)  # measured for the stretch that sized it
