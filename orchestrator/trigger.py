@@ -212,7 +212,8 @@ class GoodputThreshold:
         provisional tokens and the draft has not run this round yet (growing it costs the draft's catch-up
         forward too). ``fresh``: the round had no kept provisional tokens (a session's first round, or after
         a rejection): the verifier waits for every node of such a tree, so it is verified at half
-        ``pipeline_nodes``, and the draft makes the rest of the next tree during that verification. (Measured at RTT 100 ms: growing the whole ~11 nodes first put goodput's first
+        ``pipeline_nodes``, and the draft makes the rest of the next tree during that verification. Other trees grow
+        to ``pipeline_nodes`` times the stretch ``stretches`` measured fastest (``orchestrator.pipeline_size``). (Measured at RTT 100 ms: growing the whole ~11 nodes first put goodput's first
         tokens 330 ms behind fixed-4's, bench/results/network_half_avx512 run 2.)
 
         (Tried on the AVX2 CPU of README "With the half draft": the α rule past ``pipeline_nodes``. With draft and
@@ -344,6 +345,7 @@ class GoodputThreshold:
 
     def new_session(self) -> None:
         self.resync = True
+        self.stretches.discard()  # (copied from the session before, maybe mid-round)
 
     def observe(self, outcome: RoundOutcome) -> None:
         if outcome.verify_ms > 0 and not outcome.after_prefill and (outcome.nodes or outcome.committed == 1):
@@ -354,7 +356,7 @@ class GoodputThreshold:
             self.resync = True
             return
         self.spans.interrupt()
-        if outcome.plain:
+        if outcome.plain or outcome.after_prefill or self.resync:  # (a session's first round: not a pipelined one)
             self.stretches.discard()
         else:
             self.stretches.observe(outcome.committed, outcome.round_ms)

@@ -359,3 +359,7 @@ def test_goodput_pipelined_tree_grows_to_its_stretch_past_where_waiting_stops_pa
     assert not t.should_verify(0.99, 3, fresh=True) and t.should_verify(0.99, 4, fresh=True)  # fresh: balance / 2
     t.observe(RoundOutcome(14, 14, (0.9,) * 14, 15, 700.0, 0, 0.0, pipelined_next=True, verify_ms=300.0))
     assert t.stretches.rates[2.0] == (15, 700.0)  # measured for the stretch that sized it
+    t.should_verify(0.99, 14)
+    t.new_session()  # the next session's trigger starts from this one: its first round is not a pipelined one
+    t.observe(RoundOutcome(3, 3, (0.9,) * 3, 4, 2000.0, 0, 0.0, pipelined_next=True, after_prefill=True))
+    assert t.stretches.rates == {2.0: (15, 700.0)}
