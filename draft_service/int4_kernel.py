@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 SOURCE = pathlib.Path(__file__).parent / "native" / "q4.c"
 # Each variant (its function q4_matmul_<name>) and the /proc/cpuinfo flags it needs, the preferred one first.
 KERNELS = {"avx512vnni": ("avx512f", "avx512bw", "avx512_vnni", "fma"), "avx2": ("avx2", "fma")}
-CFLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off")  # (each variant names its instruction sets in the source)
+CFLAGS = ("-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno")  # (variants name their instruction sets)
 KERNEL_ENV = "SPECSPLIT_INT4_KERNEL"  # "torch": PyTorch's int4 kernel; a variant's name: that one if it runs here
 GROUP = INT4_GROUP  # weights sharing a scale and a low value along a row
 BLOCK = 16  # rows a kernel block holds

@@ -18,72 +18,29 @@
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vnni,fma")))
 #define AVX2 __attribute__((target("avx2,fma")))
 
-/* One group of 32 activations as two int8 parts from its float32 parts h = round(x / coarse) and
- * l = round((x - h * coarse) / fine) (each vector width rounds them the same way: to nearest, ties to even).
- * Sets the group's steps and its sum in them. */
-static void pack_group(const int32_t* h, const int32_t* l, float coarse, float fine, int8_t* high, int8_t* low,
-                       float* step, float* total) {
-    int sum_high = 0, sum_low = 0;
-    for (int k = 0; k < 32; k++) {
-        int clamped = l[k] > 127 ? 127 : (l[k] < -127 ? -127 : l[k]);
-        high[k] = (int8_t)h[k];
-        low[k] = (int8_t)clamped;
-        sum_high += h[k];
-        sum_low += clamped;
-    }
-    step[0] = coarse;
-    step[1] = fine;
-    *total = (float)sum_high * coarse + (float)sum_low * fine;
-}
-
-/* Steps of a group whose largest magnitude is top: whole steps of top / 127 and what rounding to them leaves, within
- * 127 fine steps. A group too small for its fine step to be a normal float is all zero. */
-static int steps_of(float top, float* coarse, float* fine) {
-    *coarse = top / 127.f;
-    *fine = *coarse / 254.f;
-    return *fine > 1e-37f;
-}
-
-AVX512 static void quantize_avx512(const float* x, int groups, int8_t* high, int8_t* low, float* step, float* total) {
-    int32_t h[32], l[32];
+/* Each group of 32 activations as two int8 parts: high = round(x / coarse), low = round((x - high * coarse) / fine)
+ * within +-127 (coarse = max |x| / 127, fine = coarse / 254: what rounding to whole coarse steps leaves, within 127
+ * fine steps; a group too small for a normal fine step is all zero), its two steps and its sum in them. One function
+ * for both variants (built with -fno-math-errno: lrintf is one instruction), so both give the same floats. */
+static void quantize(const float* x, int groups, int8_t* high, int8_t* low, float* step, float* total) {
     for (int g = 0; g < groups; g++) {
-        __m512 v[2] = {_mm512_loadu_ps(x + 32 * g), _mm512_loadu_ps(x + 32 * g + 16)};
-        float coarse, fine;
-        int nonzero = steps_of(_mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1]))), &coarse,
-                               &fine);
-        for (int i = 0; i < 2; i++) {
-            __m512i whole = _mm512_cvtps_epi32(_mm512_div_ps(v[i], _mm512_set1_ps(coarse)));
-            __m512 left = _mm512_sub_ps(v[i], _mm512_mul_ps(_mm512_cvtepi32_ps(whole), _mm512_set1_ps(coarse)));
-            __m512i part = _mm512_cvtps_epi32(_mm512_div_ps(left, _mm512_set1_ps(fine)));
-            _mm512_storeu_si512((void*)(h + 16 * i), nonzero ? whole : _mm512_setzero_si512());
-            _mm512_storeu_si512((void*)(l + 16 * i), nonzero ? part : _mm512_setzero_si512());
+        const float* v = x + 32 * g;
+        float top = 0.f;
+        for (int k = 0; k < 32; k++) top = fmaxf(top, fabsf(v[k]));
+        float coarse = top / 127.f, fine = coarse / 254.f;
+        int nonzero = fine > 1e-37f, sum_high = 0, sum_low = 0;
+        for (int k = 0; k < 32; k++) {
+            int h = nonzero ? (int)lrintf(v[k] / coarse) : 0;
+            int l = nonzero ? (int)lrintf((v[k] - (float)h * coarse) / fine) : 0;
+            l = l > 127 ? 127 : (l < -127 ? -127 : l);
+            high[32 * g + k] = (int8_t)h;
+            low[32 * g + k] = (int8_t)l;
+            sum_high += h;
+            sum_low += l;
         }
-        pack_group(h, l, coarse, fine, high + 32 * g, low + 32 * g, step + 2 * g, total + g);
-    }
-}
-
-AVX2 static void quantize_avx2(const float* x, int groups, int8_t* high, int8_t* low, float* step, float* total) {
-    int32_t h[32], l[32];
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    for (int g = 0; g < groups; g++) {
-        __m256 v[4], top = _mm256_setzero_ps();
-        for (int i = 0; i < 4; i++) {
-            v[i] = _mm256_loadu_ps(x + 32 * g + 8 * i);
-            top = _mm256_max_ps(top, _mm256_and_ps(v[i], magnitude));
-        }
-        __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-        half = _mm_max_ps(half, _mm_movehl_ps(half, half));
-        half = _mm_max_ss(half, _mm_shuffle_ps(half, half, 1));
-        float coarse, fine;
-        int nonzero = steps_of(_mm_cvtss_f32(half), &coarse, &fine);
-        for (int i = 0; i < 4; i++) {
-            __m256i whole = _mm256_cvtps_epi32(_mm256_div_ps(v[i], _mm256_set1_ps(coarse)));
-            __m256 left = _mm256_sub_ps(v[i], _mm256_mul_ps(_mm256_cvtepi32_ps(whole), _mm256_set1_ps(coarse)));
-            __m256i part = _mm256_cvtps_epi32(_mm256_div_ps(left, _mm256_set1_ps(fine)));
-            _mm256_storeu_si256((__m256i*)(h + 8 * i), nonzero ? whole : _mm256_setzero_si256());
-            _mm256_storeu_si256((__m256i*)(l + 8 * i), nonzero ? part : _mm256_setzero_si256());
-        }
-        pack_group(h, l, coarse, fine, high + 32 * g, low + 32 * g, step + 2 * g, total + g);
+        step[2 * g] = coarse;
+        step[2 * g + 1] = fine;
+        total[g] = (float)sum_high * coarse + (float)sum_low * fine;
     }
 }
 
@@ -93,9 +50,7 @@ typedef struct {
     float* steps;
 } Quantized;
 
-typedef void (*Quantize)(const float*, int, int8_t*, int8_t*, float*, float*);
-
-static int quantize_rows(Quantize quantize, const float* x, int rows, int k, Quantized* out) {
+static int quantize_rows(const float* x, int rows, int k, Quantized* out) {
     int groups = k / 32;
     out->parts = aligned_alloc(64, (size_t)rows * 2 * k);
     out->steps = malloc(sizeof(float) * (size_t)rows * 3 * groups);
@@ -121,7 +76,7 @@ AVX512 int q4_matmul_avx512vnni(const uint8_t* levels, const float* scales, cons
     if (rows < 1) return 0;
     int groups = k / 32;
     Quantized qx;
-    if (quantize_rows(quantize_avx512, x, rows, k, &qx)) return -1;
+    if (quantize_rows(x, rows, k, &qx)) return -1;
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int b = 0; b < n / 16; b++) {
         const uint8_t* block = levels + (size_t)b * groups * 256;
@@ -169,7 +124,7 @@ AVX2 int q4_matmul_avx2(const uint8_t* levels, const float* scales, const float*
     if (rows < 1) return 0;
     int groups = k / 32;
     Quantized qx;
-    if (quantize_rows(quantize_avx2, x, rows, k, &qx)) return -1;
+    if (quantize_rows(x, rows, k, &qx)) return -1;
     const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     for (int b = 0; b < n / 16; b++) {
         const uint8_t* block = levels + (size_t)b * groups * 256;
