@@ -212,9 +212,10 @@ class GoodputThreshold:
         provisional tokens and the draft has not run this round yet (growing it costs the draft's catch-up
         forward too). ``fresh``: the round had no kept provisional tokens (a session's first round, or after
         a rejection): the verifier waits for every node of such a tree, so it is verified at half
-        ``pipeline_nodes``, and the draft makes the rest of the next tree during that verification. Other trees grow
-        to ``pipeline_nodes`` times the stretch ``stretches`` measured fastest (``orchestrator.pipeline_size``). (Measured at RTT 100 ms: growing the whole ~11 nodes first put goodput's first
-        tokens 330 ms behind fixed-4's, bench/results/network_half_avx512 run 2.)
+        ``pipeline_nodes``, and the draft makes the rest of the next tree during that verification. (Measured at
+        RTT 100 ms: growing the whole ~11 nodes first put goodput's first tokens 330 ms behind fixed-4's,
+        bench/results/network_half_avx512 run 2.) Other trees grow to ``pipeline_nodes`` times the stretch
+        ``stretches`` measured fastest (``orchestrator.pipeline_size``).
 
         (Tried on the AVX2 CPU of README "With the half draft": the α rule past ``pipeline_nodes``. With draft and
         verifier on their own cores it ran within that machine's noise of this rule; sharing two cores
@@ -350,16 +351,15 @@ class GoodputThreshold:
     def observe(self, outcome: RoundOutcome) -> None:
         if outcome.verify_ms > 0 and not outcome.after_prefill and (outcome.nodes or outcome.committed == 1):
             self.cost.observe(outcome.nodes, outcome.verify_ms)  # (not a decode burst: many forwards in one call)
+        if outcome.copied or outcome.plain or outcome.after_prefill or self.resync:
+            self.stretches.discard()  # not a pipelined round (after_prefill, resync: a session's first)
+        else:
+            self.stretches.observe(outcome.committed, outcome.round_ms)
         if outcome.copied:  # neither kind of round; the draft skipped its tokens (or ran them in one forward)
-            self.stretches.discard()
             self.spans.observe(outcome.nodes, outcome.num_accepted)
             self.resync = True
             return
         self.spans.interrupt()
-        if outcome.plain or outcome.after_prefill or self.resync:  # (a session's first round: not a pipelined one)
-            self.stretches.discard()
-        else:
-            self.stretches.observe(outcome.committed, outcome.round_ms)
         if not outcome.plain and self.resync:
             self.resync = False
             return  # not measured (see resync); a due probe stays due

@@ -85,7 +85,8 @@ def test_the_lean_forward_runs_int4_weights_through_the_kernel():
     model = tiny_llama(seed=3, layers=2).eval()
     draft = lean.LeanLlama(model, quantized.INT4)
     assert isinstance(draft.layers[0].qkv, int4_kernel.PackedInt4Weight)
-    assert isinstance(draft.head, quantized.RescoredHead) and isinstance(draft.head.approx, int4_kernel.PackedInt4Weight)
+    assert isinstance(draft.head, quantized.RescoredHead)
+    assert isinstance(draft.head.approx, int4_kernel.PackedInt4Weight)
 
 
 def reset_kernel():
