@@ -354,7 +354,7 @@ class GoodputThreshold:
         if outcome.copied or outcome.plain or outcome.after_prefill or self.resync:
             self.stretches.discard()  # not a pipelined round (after_prefill, resync: a session's first)
         else:
-            self.stretches.observe(outcome.committed, outcome.round_ms)
+            self.stretches.observe(outcome.committed, outcome.round_ms, outcome.pipelined_next)
         if outcome.copied:  # neither kind of round; the draft skipped its tokens (or ran them in one forward)
             self.spans.observe(outcome.nodes, outcome.num_accepted)
             self.resync = True

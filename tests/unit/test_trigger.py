@@ -335,13 +335,58 @@ def test_stretches_try_each_then_keep_the_fastest_and_probe_the_others_in_turn()
     later = used[3:]
     assert later.count(1.5) >= 0.7 * len(later)  # then the fastest
     assert {1.0, 2.0} <= set(later)  # and the others now and then, each in turn
-    before = dict(stretches.rates)
+    before = (dict(stretches.scores), stretches.level)
     stretches.observe(5, 1.0)  # an outcome of a round it did not size: nothing measured
-    assert stretches.rates == before
+    assert (stretches.scores, stretches.level) == before
     stretches.size(10)
     stretches.discard()  # a copied span's round: not measured
     stretches.observe(100, 1.0)
-    assert stretches.rates == before
+    assert (stretches.scores, stretches.level) == before
+
+
+def test_stretches_judge_each_stretch_against_the_text_of_its_time():
+    """The session's text changes every stretch's rate at once (a chat answer, then a code edit whose pipelined rounds
+    commit twice the tokens a millisecond): the stretch probed when it changes does not take the lead for it, the
+    fastest on the same text keeps it."""
+    stretches = Stretches(choices=(1.0, 1.5, 2.0), probe_every=4)
+    ms_per_token = {1.0: 16.0, 1.5: 18.0, 2.0: 20.0}  # the balance point is the fastest on any text
+    used, pace = [], 1.0
+    for i in range(60):
+        nodes = stretches.size(10)
+        if i > 3 and stretches.now == 2.0 and pace == 1.0:
+            pace = 0.5  # the code edit starts on a probe of the slowest stretch
+            shift = i
+        used.append(stretches.now)
+        stretches.observe(nodes + 1, (nodes + 1) * ms_per_token[stretches.now] * pace)
+    later = used[shift + 8:]  # (a few rounds on: until the level has the new text's pace, the change lifts them)
+    assert later.count(1.0) >= 0.7 * len(later)
+    assert stretches.score(1.0) > stretches.score(1.5) > stretches.score(2.0)
+
+
+def test_stretches_charge_a_rejection_the_fresh_round_after_it():
+    """Twice the balance point commits faster a round (21 tokens in 300 ms against 11 in 170), but every such tree is
+    rejected and the fresh round after it, the verifier waiting for the draft, commits 4 tokens in 200 ms: 50
+    tokens/s in all against the balance point's 65. The fresh rounds count against the stretch whose rejection made
+    them, so the balance point leads."""
+    stretches = Stretches(choices=(1.0, 2.0), probe_every=4)
+    used, fresh = [], False
+    for _ in range(60):
+        if fresh:  # (a fresh round is not sized: GoodputThreshold.should_verify sizes it at half the balance point)
+            stretches.observe(4, 200.0)
+            fresh = False
+            continue
+        stretches.size(10)
+        used.append(stretches.now)
+        fresh = stretches.now == 2.0
+        stretches.observe(21, 300.0, pipelined_next=False) if fresh else stretches.observe(11, 170.0)
+    assert used[2:].count(1.0) >= 0.7 * len(used[2:])
+    assert stretches.score(1.0) > stretches.score(2.0)
+    stretches.size(10)
+    stretches.observe(21, 300.0, pipelined_next=False)
+    stretches.discard()  # the round after it was a copied span: neither it nor the next is measured
+    before = (dict(stretches.scores), stretches.level)
+    stretches.observe(4, 200.0)
+    assert (stretches.scores, stretches.level) == before
 
 
 def test_goodput_pipelined_tree_grows_to_its_stretch_past_where_waiting_stops_paying():
@@ -358,8 +403,9 @@ def test_goodput_pipelined_tree_grows_to_its_stretch_past_where_waiting_stops_pa
     assert t.should_verify(0.1 ** (1 / t.gamma), 8)  # a branch with a chance of 0.1 goes now
     assert not t.should_verify(0.99, 3, fresh=True) and t.should_verify(0.99, 4, fresh=True)  # fresh: balance / 2
     t.observe(RoundOutcome(14, 14, (0.9,) * 14, 15, 700.0, 0, 0.0, pipelined_next=True, verify_ms=300.0))
-    assert t.stretches.rates[2.0] == (15, 700.0)  # measured for the stretch that sized it
+    assert t.stretches.scores[2.0] == (15, 15) and t.stretches.level == (15, 700.0)  # measured for the stretch
+    # that sized it (the first measured round: at par with the level, which it starts)
     t.should_verify(0.99, 14)
     t.new_session()  # the next session's trigger starts from this one: its first round is not a pipelined one
     t.observe(RoundOutcome(3, 3, (0.9,) * 3, 4, 2000.0, 0, 0.0, pipelined_next=True, after_prefill=True))
-    assert t.stretches.rates == {2.0: (15, 700.0)}
+    assert t.stretches.scores == {2.0: (15, 15)}
