@@ -8,7 +8,10 @@ goodput trigger's ~11-node pipelined rounds after the first tokens (56.2 against
 bench/results/network_xeon_stretch), while on a Zen 4 EPYC trees twice the balance point ran 0.92x-1.01x of fixed-16
 where the balance point ran 1.00x-1.03x. What a round costs besides its draft forwards (the verdict's trip back, the
 next round's start) differs between machines, so each stretch of the balance point is tried on rounds of the
-session's own traffic and the faster one kept: ``Stretches``.
+session's own traffic and the faster one kept: ``Stretches``. (On a Zen 4 EPYC, each stretch pinned, one run at RTT 0 /
+50 ms: 1 ran 1.05x / 0.97x of fixed-16, 2 1.01x / 0.90x, 3 1.01x / 0.84x; the measured choice, scored as below, ran
+1.03x / 0.97x / 0.99x / 0.98x of the best fixed size at RTT 0 / 20 / 50 / 100 over two runs,
+bench/results/network_zen4_level.)
 """
 
 from __future__ import annotations
