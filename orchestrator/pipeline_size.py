@@ -10,7 +10,7 @@ where the balance point ran 1.00x-1.03x. What a round costs besides its draft fo
 next round's start) differs between machines, so each stretch of the balance point is tried on rounds of the
 session's own traffic and the faster one kept: ``Stretches``. (On a Zen 4 EPYC, each stretch pinned, one run at RTT 0 /
 50 ms: 1 ran 1.05x / 0.97x of fixed-16, 2 1.01x / 0.90x, 3 1.01x / 0.84x; the measured choice, scored as below, ran
-1.03x / 0.97x / 0.99x / 0.98x of the best fixed size at RTT 0 / 20 / 50 / 100 over two runs,
+1.02x / 1.00x / 1.01x / 0.98x of the best fixed size at RTT 0 / 20 / 50 / 100 over four runs,
 bench/results/network_zen4_level.)
 """
 
