@@ -215,7 +215,7 @@ class GoodputThreshold:
         ``pipeline_nodes``, and the draft makes the rest of the next tree during that verification. (Measured at
         RTT 100 ms: growing the whole ~11 nodes first put goodput's first tokens 330 ms behind fixed-4's,
         bench/results/network_half_avx512 run 2.) Other trees grow to ``pipeline_nodes`` times the stretch
-        ``stretches`` measured fastest (``orchestrator.pipeline_size``).
+        ``stretches`` scored best (``orchestrator.pipeline_size``).
 
         (Tried on the AVX2 CPU of README "With the half draft": the α rule past ``pipeline_nodes``. With draft and
         verifier on their own cores it ran within that machine's noise of this rule; sharing two cores
@@ -235,7 +235,7 @@ class GoodputThreshold:
                 return num_nodes >= math.ceil(size / 2) or not self.likely_whole(confidence)
             stretched = self.stretches.size(size)
             missing = stretched - num_nodes
-            if stretched > size:  # (past the balance point the measured rates decide, not _waiting_pays's model)
+            if stretched > size:  # (past the balance point the measured scores decide, not _waiting_pays's model)
                 return missing <= 0 or not self.likely_whole(confidence)
             return (missing <= 0 or not self.likely_whole(confidence)
                     or not self._waiting_pays(num_nodes, missing, missing + (1 if kept else 0)))
